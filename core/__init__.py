@@ -1,0 +1,4 @@
+"""Shared types every Tandem package uses: the request and its phases, wire messages, errors.
+
+Nothing here does I/O. Everything above ``core`` may import it; it imports nothing of Tandem's.
+"""

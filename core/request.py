@@ -1,0 +1,108 @@
+"""The one mutable per-request state object and its phase machine.
+
+A request moves forward through ``RequestPhase`` only; steps that a path does not take (a
+colocated request has no prefill leg) are skipped, never revisited. ``FINISHED``, ``FAILED`` and
+``ABORTED`` are terminal: every request accepted by the gateway ends in exactly one of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from core.messages import ServingPath, Usage
+
+
+class RequestPhase(enum.IntEnum):
+    """Lifecycle phases in order (docs/ARCHITECTURE.md numbers them the same way)."""
+
+    RECEIVED = 1
+    AUTHENTICATED = 2
+    MODERATED = 3
+    ADMITTED = 4
+    PREFILLING = 5
+    KV_TRANSFERRING = 6
+    DECODING = 7
+    FINISHED = 8
+    FAILED = 9
+    ABORTED = 10
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestPhase.FINISHED
+
+
+class PhaseError(RuntimeError):
+    """A transition the phase machine forbids: a bug in the caller, not a client error."""
+
+
+@dataclass(slots=True)
+class Request:
+    """State of one client request inside the gateway."""
+
+    request_id: str
+    model: str
+    stream: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    phase: RequestPhase = RequestPhase.RECEIVED
+    path: ServingPath | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    error_code: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def advance(self, phase: RequestPhase) -> None:
+        """Move forward to non-terminal ``phase``; skipping phases is allowed, going back is not."""
+        if phase.is_terminal:
+            raise PhaseError(f"use finish/fail/abort to end a request, not advance({phase.name})")
+        self._check_open(phase)
+        if phase <= self.phase:
+            raise PhaseError(
+                f"request {self.request_id}: cannot go from {self.phase.name} to {phase.name}"
+            )
+        self.phase = phase
+
+    def mark_first_token(self) -> None:
+        """Record the time the first output token left for the client (TTFT)."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+
+    def finish(self, finish_reason: str | None, usage: Usage | None) -> None:
+        """The request completed; ``usage`` is the engine's count (None if it sent none)."""
+        self._end(RequestPhase.FINISHED)
+        self.finish_reason = finish_reason
+        self.usage = usage
+
+    def fail(self, error_code: str | None) -> None:
+        """The request ended with an error the client was sent."""
+        self._end(RequestPhase.FAILED)
+        self.error_code = error_code
+
+    def abort(self) -> None:
+        """The client went away before the request ended."""
+        self._end(RequestPhase.ABORTED)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started_at
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def _end(self, phase: RequestPhase) -> None:
+        self._check_open(phase)
+        self.phase = phase
+        self.finished_at = time.monotonic()
+
+    def _check_open(self, target: RequestPhase) -> None:
+        if self.phase.is_terminal:
+            raise PhaseError(
+                f"request {self.request_id} already ended as {self.phase.name}; "
+                f"cannot move to {target.name}"
+            )

@@ -1,0 +1,81 @@
+"""The FastAPI application: routes, error handlers, and the resources built in its lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from gateway.errors import install_error_handlers
+from gateway.pipeline import ServedModel, ServingPipeline, WorkerSource
+from gateway.routes_openai import router as openai_router
+from gateway.upstream import EngineClient, UpstreamConfig
+from workers.registry import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """What the HTTP app itself needs."""
+
+    upstream: UpstreamConfig
+    """Time limits towards the workers."""
+    sse_ping_interval_s: float = 15.0
+    """Heartbeat interval on client streams."""
+
+
+def create_app(
+    config: GatewayConfig,
+    prefill: WorkerSource,
+    decode: WorkerSource,
+    models: Sequence[ServedModel],
+) -> FastAPI:
+    """Build the gateway app over pools someone else starts and stops (the CLI or a test)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = EngineClient(config.upstream)
+        await engine.start()
+        app.state.pipeline = ServingPipeline(engine, prefill, decode, models)
+        app.state.sse_ping_interval_s = config.sse_ping_interval_s
+        try:
+            yield
+        finally:
+            await engine.aclose()
+
+    app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(openai_router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the gateway process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: a request could be served now (a healthy decode worker, and a healthy
+        prefill worker when a prefill pool is configured)."""
+        decode_ok = any(worker.healthy for worker in decode.workers)
+        prefill_ok = not prefill.workers or any(worker.healthy for worker in prefill.workers)
+        is_ready = decode_ok and prefill_ok
+        body = {
+            "status": "ready" if is_ready else "not_ready",
+            "workers": [_worker_status(worker) for worker in (*prefill.workers, *decode.workers)],
+        }
+        return JSONResponse(body, status_code=200 if is_ready else 503)
+
+    return app
+
+
+def _worker_status(worker: Worker) -> dict[str, Any]:
+    return {
+        "name": worker.name,
+        "role": str(worker.role),
+        "url": worker.base_url,
+        "healthy": worker.healthy,
+        "outstanding": worker.num_outstanding,
+    }

@@ -1,0 +1,198 @@
+"""The ``tandem`` command.
+
+tandem up                 prepare the model, boot a prefill and a decode worker, serve the gateway
+tandem model prepare      convert the model into a vLLM-loadable folder (idempotent)
+tandem version
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+from rich.status import Status
+
+from gateway.settings import TandemSettings
+from gateway.stack import Stack, prepare_model_in_subprocess
+from workers.model import ModelPreparationError, RichProgress, prepare_model
+from workers.pool import WorkerStartupError
+
+console = Console(stderr=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tandem`` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "up":
+            return _run_event_loop(_up(_settings_from_args(args)))
+        if args.command == "model" and args.model_command == "prepare":
+            with RichProgress(console) as progress:
+                prepared = prepare_model(args.model, cache_dir=args.cache_dir, progress=progress)
+            console.print(
+                f"model ready: [bold]{prepared.path}[/] (served as {prepared.served_name})"
+            )
+            return 0
+        if args.command == "version":
+            print("tandem 0.1.0")
+            return 0
+    except ModelPreparationError as exc:
+        console.print(f"[red]model preparation failed:[/] {exc}")
+        return 1
+    _parser().print_help()
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command")
+
+    up = commands.add_parser("up", help="run the whole stack: workers and gateway")
+    up.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled SmolLM2)")
+    up.add_argument("--served-model-name", help="model name clients send")
+    up.add_argument("--cache-dir", type=Path, help="where prepared models are kept")
+    up.add_argument("--host", help="gateway address (default 127.0.0.1)")
+    up.add_argument("--port", type=int, help="gateway port (default 8000)")
+    up.add_argument("--prefill-workers", type=int, dest="num_prefill_workers")
+    up.add_argument("--decode-workers", type=int, dest="num_decode_workers")
+    up.add_argument(
+        "--prefill-url",
+        action="append",
+        dest="prefill_urls",
+        metavar="URL",
+        help="a prefill worker someone else runs (repeatable)",
+    )
+    up.add_argument(
+        "--decode-url",
+        action="append",
+        dest="decode_urls",
+        metavar="URL",
+        help="a decode worker someone else runs (repeatable)",
+    )
+    up.add_argument("--max-model-len", type=int)
+    up.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="skip graph compilation: faster boot, slower decode",
+    )
+
+    model = commands.add_parser("model", help="model management")
+    model_commands = model.add_subparsers(dest="model_command")
+    prepare = model_commands.add_parser("prepare", help="make a vLLM-loadable model folder")
+    prepare.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled)")
+    prepare.add_argument("--cache-dir", type=Path)
+
+    commands.add_parser("version", help="print the version")
+    return parser
+
+
+def _settings_from_args(args: argparse.Namespace) -> TandemSettings:
+    # Flags win over TANDEM_* environment variables; unset flags leave them alone.
+    overrides = {
+        key: value
+        for key, value in vars(args).items()
+        if value is not None and key in TandemSettings.model_fields
+    }
+    return TandemSettings(**overrides)
+
+
+def _run_event_loop(main_coro: object) -> int:
+    import uvloop  # uvicorn[standard] brings it; the relay's per-event cost is lower on it
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return int(runner.run(main_coro))  # type: ignore[arg-type]
+
+
+async def _up(settings: TandemSettings) -> int:
+    stopping = asyncio.Event()
+    main_task = asyncio.current_task()
+    server: _Server | None = None
+
+    def on_signal() -> None:
+        # First signal: stop gracefully (cancel a boot in progress, or drain the server).
+        stopping.set()
+        if server is not None:
+            server.should_exit = True
+        elif main_task is not None:
+            main_task.cancel()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    needs_model = settings.num_prefill_workers + settings.num_decode_workers > 0
+    stack: Stack | None = None
+    try:
+        prepared = (
+            await asyncio.to_thread(prepare_model_in_subprocess, settings.model, settings.cache_dir)
+            if needs_model
+            else None
+        )
+        stack = Stack.from_settings(settings, prepared)
+        with _status_line("booting workers") as status:
+            await stack.start(on_progress=lambda line: status.update(f"booting workers: {line}"))
+        console.print(
+            "[green]workers ready[/]: "
+            + ", ".join(
+                f"{w.name} {w.base_url}" for w in (*stack.prefill.workers, *stack.decode.workers)
+            )
+        )
+        server = _Server(
+            uvicorn.Config(
+                stack.app(),
+                host=settings.host,
+                port=settings.port,
+                log_level="info",
+                http="httptools",
+                lifespan="on",
+            )
+        )
+        base = f"http://{settings.host}:{settings.port}/v1"
+        console.print(
+            f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] "
+            f"(api_key: any string), model [bold]{stack.model.name}[/]. Ctrl-C stops everything.\n"
+        )
+        if not stopping.is_set():
+            await server.serve()
+        return 0
+    except WorkerStartupError as exc:
+        console.print(f"[red]a worker failed to start:[/]\n{exc}")
+        return 1
+    except asyncio.CancelledError:
+        console.print("stopping before the stack was up")
+        return 130
+    finally:
+        if stack is not None:
+            with _status_line("stopping workers"):
+                await stack.aclose()
+            console.print("all workers stopped")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Tandem's own handlers stop the server and then the pools; uvicorn's would re-raise
+        # the signal after serving and kill the process before the workers are stopped.
+        yield
+
+
+@contextlib.contextmanager
+def _status_line(text: str) -> Iterator[Status]:
+    with console.status(text) as status:
+        yield status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

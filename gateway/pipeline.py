@@ -1,0 +1,211 @@
+"""The serving pipeline: the one place that knows the whole flow of a request.
+
+    validated body -> pick decode (+ prefill) worker -> leg 1: prefill, KV kept for remote decode
+    -> leg 2: decode pulls the KV over NIXL and generates -> relay to the client -> finish
+
+The engine is always asked for usage (billing and quotas need it); the usage chunk reaches the
+client only when it asked (``stream_options.include_usage``). Response ids and ``created`` are the
+gateway's, so they stay the same across legs and workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from core.errors import ModelNotFoundError, NoHealthyWorkerError, TandemError
+from core.messages import Endpoint, ServingPath, Usage
+from core.request import Request, RequestPhase
+from gateway.relay import RelayStream
+from gateway.upstream import EngineClient
+from kv_transfer.legs import decode_leg_body, prefill_leg_body, transfer_handle
+from workers.registry import Worker
+
+log = logging.getLogger("tandem.requests")
+
+# How long a client is told to wait when no worker is healthy: about one health-poll round
+# plus a worker restart's first backoff step.
+_NO_WORKER_RETRY_AFTER_S = 5.0
+
+
+class WorkerSource(Protocol):
+    """A pool as the pipeline sees it."""
+
+    @property
+    def workers(self) -> Sequence[Worker]: ...
+
+    def pick(self) -> Worker | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A model the gateway serves, as ``/v1/models`` lists it."""
+
+    name: str
+    max_model_len: int | None
+    created: int
+
+
+class ServingPipeline:
+    """Runs requests across the prefill and decode pools."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        prefill: WorkerSource,
+        decode: WorkerSource,
+        models: Sequence[ServedModel],
+    ) -> None:
+        self._engine = engine
+        self._prefill = prefill
+        self._decode = decode
+        self.models = tuple(models)
+        self._model_names = frozenset(model.name for model in models)
+
+    def check_model(self, name: str) -> None:
+        """Raise 404 for a model this gateway does not serve."""
+        if name not in self._model_names:
+            served = ", ".join(sorted(self._model_names))
+            raise ModelNotFoundError(
+                f"The model '{name}' does not exist on this server; served models: {served}",
+                param="model",
+            )
+
+    async def complete(
+        self, endpoint: Endpoint, body: dict[str, Any], request: Request
+    ) -> dict[str, Any]:
+        """Serve a non-streaming request and return the client's JSON body."""
+        try:
+            decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
+            decode_body["stream"] = False
+            request.advance(RequestPhase.DECODING)
+            with decode_worker.lease():
+                response = await self._engine.post_json(
+                    decode_worker, endpoint, decode_body, request.request_id, prefill=False
+                )
+        except TandemError as exc:
+            self._end_failed(request, exc)
+            raise
+        except BaseException:
+            self._end_aborted(request)
+            raise
+        response.pop("kv_transfer_params", None)
+        response["id"] = _response_id(endpoint, request)
+        response["created"] = request.created
+        choices = response.get("choices") or [{}]
+        request.mark_first_token()
+        request.finish(choices[0].get("finish_reason"), _usage(response))
+        _log_end(request)
+        return response
+
+    async def stream(
+        self, endpoint: Endpoint, body: dict[str, Any], request: Request
+    ) -> RelayStream:
+        """Open the decode stream; the caller relays it and must ``aclose()`` it.
+
+        Everything that can fail before the first byte (routing, the prefill leg, the decode
+        worker refusing) raises here, so the client gets a real HTTP error status.
+        """
+        try:
+            decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
+            stream_options = dict(body.get("stream_options") or {})
+            stream_options["include_usage"] = True
+            decode_body["stream_options"] = stream_options
+            with decode_worker.lease():
+                upstream = await self._engine.open_stream(
+                    decode_worker, endpoint, decode_body, request.request_id
+                )
+        except TandemError as exc:
+            self._end_failed(request, exc)
+            raise
+        except BaseException:
+            self._end_aborted(request)
+            raise
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return RelayStream(
+            upstream, decode_worker, request, _response_id(endpoint, request), include_usage
+        )
+
+    async def _prepare_decode(
+        self, endpoint: Endpoint, body: dict[str, Any], request: Request
+    ) -> tuple[Worker, dict[str, Any]]:
+        """Pick workers, run the prefill leg when disaggregating; return the decode leg."""
+        decode_worker = _pick(self._decode, "decode")
+        request.decode_worker = decode_worker.name
+        if not self._should_disaggregate(body):
+            request.path = ServingPath.COLOCATED
+            return decode_worker, dict(body)
+        prefill_worker = _pick(self._prefill, "prefill")
+        request.prefill_worker = prefill_worker.name
+        request.path = ServingPath.DISAGGREGATED
+        request.advance(RequestPhase.PREFILLING)
+        with prefill_worker.lease():
+            prefilled = await self._engine.post_json(
+                prefill_worker,
+                endpoint,
+                prefill_leg_body(body),
+                request.request_id,
+                prefill=True,
+            )
+        handle = transfer_handle(prefilled, prefill_worker.name)
+        # The decode worker pulls the KV when it schedules leg 2; the phase records the hand-off.
+        request.advance(RequestPhase.KV_TRANSFERRING)
+        return decode_worker, decode_leg_body(body, handle)
+
+    def _should_disaggregate(self, body: dict[str, Any]) -> bool:
+        # No prefill pool configured: every request is served colocated on a decode worker.
+        if not self._prefill.workers:
+            return False
+        # vLLM's NIXL hand-off carries one sequence's KV; n > 1 runs colocated.
+        return int(body.get("n") or 1) == 1
+
+    @staticmethod
+    def _end_failed(request: Request, exc: TandemError) -> None:
+        if not request.phase.is_terminal:
+            request.fail(exc.code)
+        log.warning("request %s failed: %s (%s)", request.request_id, exc.message, exc.code)
+
+    @staticmethod
+    def _end_aborted(request: Request) -> None:
+        if not request.phase.is_terminal:
+            request.abort()
+        log.info("request %s aborted: the client went away", request.request_id)
+
+
+def _pick(pool: WorkerSource, role: str) -> Worker:
+    worker = pool.pick()
+    if worker is None:
+        raise NoHealthyWorkerError(
+            f"No healthy {role} worker is available; retry shortly.",
+            retry_after_s=_NO_WORKER_RETRY_AFTER_S,
+        )
+    return worker
+
+
+def _response_id(endpoint: Endpoint, request: Request) -> str:
+    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+    return f"{prefix}-{request.request_id}"
+
+
+def _usage(response: dict[str, Any]) -> Usage | None:
+    usage = response.get("usage")
+    return Usage.from_openai(usage) if isinstance(usage, dict) else None
+
+
+def _log_end(request: Request) -> None:
+    usage = request.usage
+    log.info(
+        "request %s %s path=%s prefill=%s decode=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
+        request.request_id,
+        request.phase.name.lower(),
+        request.path,
+        request.prefill_worker,
+        request.decode_worker,
+        request.ttft_s or 0.0,
+        request.e2e_s or 0.0,
+        usage.prompt_tokens if usage else "?",
+        usage.completion_tokens if usage else "?",
+        request.finish_reason,
+    )

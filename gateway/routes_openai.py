@@ -1,0 +1,144 @@
+"""The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.types import Receive, Scope, Send
+
+from core.errors import InvalidRequestError
+from core.messages import Endpoint
+from core.request import Request
+from gateway.errors import invalid_request_from_validation
+from gateway.pipeline import ServingPipeline
+from gateway.relay import RelayStream
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def get_pipeline(http_request: HttpRequest) -> ServingPipeline:
+    """The app's pipeline, built in the lifespan (tests may override this dependency)."""
+    pipeline: ServingPipeline = http_request.app.state.pipeline
+    return pipeline
+
+
+def get_ping_interval(http_request: HttpRequest) -> float:
+    interval: float = http_request.app.state.sse_ping_interval_s
+    return interval
+
+
+PipelineDep = Annotated[ServingPipeline, Depends(get_pipeline)]
+PingDep = Annotated[float, Depends(get_ping_interval)]
+
+
+class OpenAIEventStream(EventSourceResponse):
+    """Data-only SSE as the OpenAI SDKs expect: ``\\n`` separators, ``: ping`` heartbeats.
+
+    The relay is closed however the response ends, even if the client left before the first
+    event (then the body generator never runs, so its own cleanup could not).
+    """
+
+    def __init__(self, relay: RelayStream, request_id: str, ping_interval_s: float) -> None:
+        super().__init__(
+            relay.events(),
+            sep="\n",
+            ping=ping_interval_s,
+            ping_message_factory=lambda: ServerSentEvent(comment="ping"),
+            headers={"Cache-Control": "no-cache", "x-request-id": request_id},
+        )
+        self._relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    http_request: HttpRequest, pipeline: PipelineDep, ping_interval_s: PingDep
+) -> Response:
+    """OpenAI chat completions, streaming or not."""
+    return await _serve(
+        Endpoint.CHAT, ChatCompletionRequest, http_request, pipeline, ping_interval_s
+    )
+
+
+@router.post("/v1/completions")
+async def completions(
+    http_request: HttpRequest, pipeline: PipelineDep, ping_interval_s: PingDep
+) -> Response:
+    """OpenAI (legacy) text completions, streaming or not."""
+    return await _serve(
+        Endpoint.COMPLETIONS, CompletionRequest, http_request, pipeline, ping_interval_s
+    )
+
+
+@router.get("/v1/models")
+async def list_models(pipeline: PipelineDep) -> dict[str, Any]:
+    """The served models, in OpenAI's list shape."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model.name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "tandem",
+                "max_model_len": model.max_model_len,
+            }
+            for model in pipeline.models
+        ],
+    }
+
+
+async def _serve(
+    endpoint: Endpoint,
+    schema: type[BaseModel],
+    http_request: HttpRequest,
+    pipeline: ServingPipeline,
+    ping_interval_s: float,
+) -> Response:
+    body = await _json_body(http_request)
+    try:
+        validated = schema.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_request_from_validation(exc) from exc
+    model_name = str(body["model"])
+    pipeline.check_model(model_name)
+    request = Request(
+        request_id=uuid.uuid4().hex, model=model_name, stream=bool(body.get("stream"))
+    )
+    del validated  # validation only: the client's own JSON is what the engine gets
+    if request.stream:
+        relay = await pipeline.stream(endpoint, body, request)
+        return OpenAIEventStream(relay, request.request_id, ping_interval_s)
+    result = await pipeline.complete(endpoint, body, request)
+    return Response(
+        orjson.dumps(result),
+        media_type="application/json",
+        headers={"x-request-id": request.request_id},
+    )
+
+
+async def _json_body(http_request: HttpRequest) -> dict[str, Any]:
+    raw = await http_request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            "We could not parse the JSON body of your request: send a JSON object with "
+            "Content-Type: application/json."
+        ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body

