@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from core.errors import ModelNotFoundError, NoHealthyWorkerError, TandemError
 from core.messages import Endpoint, ServingPath, Usage
 from core.request import Request, RequestPhase
-from gateway.relay import RelayStream
+from gateway.relay import RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient
 from kv_transfer.legs import decode_leg_body, prefill_leg_body, transfer_handle
 from workers.registry import Worker
@@ -92,12 +92,12 @@ class ServingPipeline:
             self._end_aborted(request)
             raise
         response.pop("kv_transfer_params", None)
-        response["id"] = _response_id(endpoint, request)
+        response["id"] = response_id(endpoint, request)
         response["created"] = request.created
         choices = response.get("choices") or [{}]
         request.mark_first_token()
         request.finish(choices[0].get("finish_reason"), _usage(response))
-        _log_end(request)
+        log_request_end(request)
         return response
 
     async def stream(
@@ -124,9 +124,7 @@ class ServingPipeline:
             self._end_aborted(request)
             raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return RelayStream(
-            upstream, decode_worker, request, _response_id(endpoint, request), include_usage
-        )
+        return RelayStream(upstream, decode_worker, request, endpoint, include_usage)
 
     async def _prepare_decode(
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
@@ -184,28 +182,6 @@ def _pick(pool: WorkerSource, role: str) -> Worker:
     return worker
 
 
-def _response_id(endpoint: Endpoint, request: Request) -> str:
-    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-    return f"{prefix}-{request.request_id}"
-
-
 def _usage(response: dict[str, Any]) -> Usage | None:
     usage = response.get("usage")
     return Usage.from_openai(usage) if isinstance(usage, dict) else None
-
-
-def _log_end(request: Request) -> None:
-    usage = request.usage
-    log.info(
-        "request %s %s path=%s prefill=%s decode=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
-        request.request_id,
-        request.phase.name.lower(),
-        request.path,
-        request.prefill_worker,
-        request.decode_worker,
-        request.ttft_s or 0.0,
-        request.e2e_s or 0.0,
-        usage.prompt_tokens if usage else "?",
-        usage.completion_tokens if usage else "?",
-        request.finish_reason,
-    )

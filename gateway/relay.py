@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from core.errors import EngineError, TandemError
-from core.messages import Usage
+from core.messages import Endpoint, Usage
 from core.request import Request, RequestPhase
 from gateway.upstream import EngineStream
 from workers.registry import Worker
@@ -35,13 +35,14 @@ class RelayStream:
         upstream: EngineStream,
         worker: Worker,
         request: Request,
-        response_id: str,
+        endpoint: Endpoint,
         include_usage: bool,
     ) -> None:
         self._upstream = upstream
+        self._response_id = response_id(endpoint, request)
+        self._content_key = "delta" if endpoint is Endpoint.CHAT else "text"
         self._worker = worker
         self._request = request
-        self._response_id = response_id
         self._include_usage = include_usage
         self._closed = False
         worker.num_outstanding += 1
@@ -70,7 +71,8 @@ class RelayStream:
                 else:
                     chunk.pop("usage", None)
                 request.mark_first_token()
-                yield orjson.dumps(chunk).decode()
+                for part in split_finish_chunk(chunk, self._content_key):
+                    yield orjson.dumps(part).decode()
         except TandemError as exc:
             # Headers are gone: the error becomes one event and the stream ends (WIRE.md §1).
             request.fail(exc.code)
@@ -78,6 +80,7 @@ class RelayStream:
             yield orjson.dumps(exc.to_body()).decode()
             return
         request.finish(finish_reason, usage)
+        log_request_end(request)
         yield "[DONE]"
 
     async def aclose(self) -> None:
@@ -104,3 +107,59 @@ class RelayStream:
         chunk["created"] = self._request.created
         chunk.pop("kv_transfer_params", None)
         return chunk
+
+
+def split_finish_chunk(chunk: dict[str, Any], content_key: str) -> list[dict[str, Any]]:
+    """vLLM puts the last token and the finish reason in one chunk; OpenAI sends the finish
+    reason alone, with an empty delta (or empty text). Clients that stop reading content at the
+    finish reason then still get the last token."""
+    choices: list[dict[str, Any]] = chunk["choices"]
+    finishing = [c for c in choices if c.get("finish_reason") and _has_content(c, content_key)]
+    if not finishing:
+        return [chunk]
+    content_choices = [
+        {**c, "finish_reason": None, "stop_reason": None} if c in finishing else c for c in choices
+    ]
+    empty: Any = {} if content_key == "delta" else ""
+    finish_choices = [
+        {
+            "index": c.get("index", 0),
+            content_key: empty,
+            "logprobs": None,
+            "finish_reason": c["finish_reason"],
+            "stop_reason": c.get("stop_reason"),
+        }
+        for c in finishing
+    ]
+    return [{**chunk, "choices": content_choices}, {**chunk, "choices": finish_choices}]
+
+
+def _has_content(choice: dict[str, Any], content_key: str) -> bool:
+    value = choice.get(content_key)
+    if isinstance(value, dict):
+        return bool(value.get("content") or value.get("tool_calls") or value.get("reasoning"))
+    return bool(value)
+
+
+def response_id(endpoint: Endpoint, request: Request) -> str:
+    """The id clients see: the gateway's request id, the same on every chunk and retry."""
+    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+    return f"{prefix}-{request.request_id}"
+
+
+def log_request_end(request: Request) -> None:
+    """One line per finished request: path, workers, latency and tokens."""
+    usage = request.usage
+    log.info(
+        "request %s %s path=%s prefill=%s decode=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
+        request.request_id,
+        request.phase.name.lower(),
+        request.path,
+        request.prefill_worker,
+        request.decode_worker,
+        request.ttft_s or 0.0,
+        request.e2e_s or 0.0,
+        usage.prompt_tokens if usage else "?",
+        usage.completion_tokens if usage else "?",
+        request.finish_reason,
+    )

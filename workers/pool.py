@@ -197,8 +197,10 @@ class WorkerPool:
                 if m.process is not None and (
                     m.num_exits > exits_before[m.worker.name] or not m.process.running
                 ):
+                    code = m.process.returncode
+                    exit_text = _describe_exit(m.last_exit_code if code is None else code)
                     raise WorkerStartupError(
-                        await self._describe_failure(m, "exited during startup")
+                        await self._describe_failure(m, f"exited during startup ({exit_text})")
                     )
             now = time.monotonic()
             done = all(m.worker.healthy for m in self._members)
@@ -209,7 +211,7 @@ class WorkerPool:
                 return
             if now - started >= limit_s:
                 reasons = [
-                    await self._describe_failure(m, f"not healthy after {limit_s:.0f} s")
+                    await self._describe_failure(m, f"not healthy after {limit_s:g} s")
                     for m in self._members
                     if not m.worker.healthy
                 ]
@@ -323,11 +325,9 @@ class WorkerPool:
     async def _describe_failure(self, m: _Member, what: str) -> str:
         if m.process is None:
             return f"{m.worker.name} ({m.worker.base_url}) {what}: {m.last_health_error}"
-        code = m.process.returncode if m.process.returncode is not None else m.last_exit_code
-        exit_text = "still running" if code is None else _describe_exit(code)
         tail = await asyncio.to_thread(tail_log, m.process.log_path)
         return (
-            f"{m.worker.name} {what} ({exit_text}); log: {m.process.log_path}\n"
+            f"{m.worker.name} {what}; log: {m.process.log_path}\n"
             f"--- last lines of {m.process.log_path.name} ---\n{tail}"
         )
 

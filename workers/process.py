@@ -179,6 +179,9 @@ class WorkerProcess:
         self.log_path = log_dir / f"{spec.name}.log"
         """The worker's stdout and stderr, appended across restarts."""
         self._proc: asyncio.subprocess.Process | None = None
+        # Set once a stop has swept the child's group: signalling that pgid again later could
+        # hit an unrelated group that reused the number.
+        self._swept = False
 
     @property
     def pid(self) -> int | None:
@@ -202,6 +205,7 @@ class WorkerProcess:
         argv = worker_argv(self.spec)
         log = await asyncio.to_thread(self._open_log, argv)
         try:
+            self._swept = False
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -229,7 +233,7 @@ class WorkerProcess:
         Safe to call repeatedly and after the child died (it still sweeps the child's group).
         """
         proc = self._proc
-        if proc is None:
+        if proc is None or self._swept:
             return
         # Snapshot descendants first: once the child dies they are reparented and untraceable.
         strays = _descendants(proc.pid) if proc.returncode is None else []
@@ -241,6 +245,7 @@ class WorkerProcess:
         _signal_group(proc.pid, signal.SIGKILL)
         _signal_each(strays, signal.SIGKILL)
         await _wait_gone(proc, strays, 5.0)
+        self._swept = True
 
     def _open_log(self, argv: list[str]) -> IO[bytes]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

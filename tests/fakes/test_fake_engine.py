@@ -257,6 +257,22 @@ async def test_leg2_after_prefill_died(session: aiohttp.ClientSession) -> None:
         assert status == 500
 
 
+async def test_kv_lease_expiry(session: aiohttp.ClientSession) -> None:
+    async with FakeEngine("m", role="prefill") as p, FakeEngine("m", role="decode") as d:
+        p.kv_lease_s = 0.0  # the decode leg comes too late: prefill already freed the blocks
+        leg1 = {"messages": MSGS, "max_tokens": 1, "kv_transfer_params": LEG1_PARAMS}
+        kvp = (await post(session, p.base_url + CHAT, leg1))[1]["kv_transfer_params"]
+        status, _ = await post(
+            session, d.base_url + CHAT, {"messages": MSGS, "kv_transfer_params": kvp}
+        )
+        assert status == 500
+        assert p.stats.num_kv_expired == 1
+        async with session.get(p.base_url + "/metrics") as r:
+            assert 'vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="m"} 1.0' in (
+                await r.text()
+            )
+
+
 async def test_fail_status_and_garbage(engine: FakeEngine, session: aiohttp.ClientSession) -> None:
     engine.fail_status, engine.fail_times = 500, 1
     status, body = await post(session, engine.base_url + CHAT, {"messages": MSGS})
@@ -332,6 +348,16 @@ async def test_delays_and_waiting(engine: FakeEngine, session: aiohttp.ClientSes
     assert [s for s, _ in await asyncio.gather(*tasks)] == [200, 200]
     assert loop.time() - start >= 0.4
     assert engine.stats.num_waiting == 0
+    # a client that gives up while queued is an abort, and frees its place in the queue
+    tasks = [asyncio.create_task(post(session, engine.base_url + CHAT, {"messages": MSGS}))
+             for _ in range(2)]  # fmt: skip
+    await asyncio.sleep(0.1)
+    tasks[1].cancel()
+    await asyncio.sleep(0.05)
+    assert engine.stats.num_waiting == 0
+    assert engine.stats.num_aborted == 1
+    assert (await tasks[0])[0] == 200
+    assert engine.stats.num_running == 0
 
 
 async def test_process_form(session: aiohttp.ClientSession) -> None:

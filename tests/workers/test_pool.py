@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -98,6 +99,28 @@ async def test_killed_worker_is_reported_and_restarted_with_backoff(
     assert not alive(worker_info(tmp_path)["pid"])
 
 
+async def test_backoff_resets_after_a_healthy_while(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.workers")
+    pool = WorkerPool(replace(pool_config(tmp_path, {}), backoff_reset_after_s=0.3))
+    await pool.start()
+    try:
+        (worker,) = pool.workers
+        for _ in range(2):
+            await pool.wait_ready(timeout_s=10)
+            await asyncio.sleep(0.4)  # healthy for longer than backoff_reset_after_s
+            old_pid = worker_info(tmp_path)["pid"]
+            os.kill(old_pid, signal.SIGKILL)
+            await wait_for(lambda old_pid=old_pid: worker_info(tmp_path)["pid"] != old_pid)
+            await wait_for(lambda: worker.healthy)
+    finally:
+        await pool.aclose()
+    exits = [r.getMessage() for r in caplog.records if "restarting in" in r.getMessage()]
+    delays = [message.split("restarting in ")[1][:3] for message in exits]
+    assert delays == ["0.2", "0.2"], caplog.text
+
+
 async def test_worker_exiting_at_startup_fails_wait_ready(tmp_path: Path) -> None:
     pool = WorkerPool(pool_config(tmp_path, {}, {"FAKE_WORKER_EXIT_CODE": "3"}))
     await pool.start()
@@ -107,7 +130,7 @@ async def test_worker_exiting_at_startup_fails_wait_ready(tmp_path: Path) -> Non
     finally:
         await pool.aclose()
     message = str(excinfo.value)
-    assert "prefill-1 exited during startup (exit code 3)" in message
+    assert "prefill-1 exited during startup (exit code 3); log: " in message
     assert str(tmp_path / "logs" / "prefill-1.log") in message
     assert "fake worker: failing at startup with code 3" in message  # the log's last lines
 
@@ -121,7 +144,7 @@ async def test_wait_ready_times_out_naming_the_unhealthy_worker(tmp_path: Path) 
             await pool.wait_ready(timeout_s=0.5, on_progress=lines.append)
     finally:
         await pool.aclose()
-    assert "prefill-0 not healthy after 0 s (still running)" in str(excinfo.value)
+    assert "prefill-0 not healthy after 0.5 s; log: " in str(excinfo.value)
     assert lines[0].startswith("prefill-0: starting (")
 
 
@@ -136,6 +159,7 @@ async def test_external_worker_is_polled_never_launched(tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     pool = DecodePool(replace(FAST, role=WorkerRole.DECODE, external_urls=(f"{url}/",)))
+    await wait_for(info_file.exists)  # its own grandchild exists from here on
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     await pool.start()
     try:
@@ -163,7 +187,9 @@ async def test_external_worker_never_healthy_times_out_with_its_url(tmp_path: Pa
     pool = WorkerPool(replace(FAST, external_urls=(url,)))
     await pool.start()
     try:
-        with pytest.raises(WorkerStartupError, match=f"prefill-ext-0 \\({url}\\) not healthy"):
+        with pytest.raises(
+            WorkerStartupError, match=re.escape(f"prefill-ext-0 ({url}) not healthy")
+        ):
             await pool.wait_ready(timeout_s=0.3)
     finally:
         await pool.aclose()
@@ -185,9 +211,9 @@ def test_pick_skips_unhealthy_and_prefers_least_outstanding() -> None:
 
 def test_config_rejects_a_spec_of_the_other_role(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "decode-0")
-    with pytest.raises(ValueError, match="decode-0 has role decode in a prefill pool"):
+    with pytest.raises(ValueError, match=r"decode-0 has role decode in a prefill pool"):
         PoolConfig(WorkerRole.PREFILL, specs=(spec,))
-    with pytest.raises(ValueError, match="PoolConfig.role must be 'prefill'"):
+    with pytest.raises(ValueError, match=r"PoolConfig\.role must be 'prefill'"):
         PrefillPool(PoolConfig(WorkerRole.DECODE, specs=(spec,)))
 
 

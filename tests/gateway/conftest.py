@@ -1,0 +1,86 @@
+"""The gateway on a real uvicorn server over fake engines that speak vLLM's HTTP protocol.
+
+Fast tier only: the same behaviours are checked against real vLLM workers in ``tests/e2e``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import openai
+import pytest
+import uvicorn
+
+from core.messages import WorkerRole
+from gateway.app import GatewayConfig, create_app
+from gateway.pipeline import ServedModel
+from gateway.upstream import UpstreamConfig
+from tests.fakes.fake_engine import FakeEngine
+from workers.pool import PoolConfig, WorkerPool
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeStack:
+    base_url: str
+    prefill: FakeEngine
+    decode: FakeEngine
+    prefill_pool: WorkerPool
+    decode_pool: WorkerPool
+    client: openai.AsyncOpenAI
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
+    """Poll ``condition()`` until it is true or fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def fake_stack() -> AsyncIterator[FakeStack]:
+    prefill = await FakeEngine(MODEL, role="prefill", max_model_len=256).start()
+    decode = await FakeEngine(MODEL, role="decode", max_model_len=256).start()
+    pools = [
+        WorkerPool(PoolConfig(role, external_urls=(engine.base_url,), health_interval_s=0.05))
+        for role, engine in ((WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode))
+    ]
+    for pool in pools:
+        await pool.start()
+        await pool.wait_ready(timeout_s=5)
+    config = GatewayConfig(
+        upstream=UpstreamConfig(connect_timeout_s=1, prefill_timeout_s=5, decode_idle_timeout_s=2),
+        sse_ping_interval_s=0.2,
+    )
+    app = create_app(config, pools[0], pools[1], [ServedModel(MODEL, 256, 0)])
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    serving = asyncio.create_task(server.serve())
+    await wait_until(lambda: server.started)
+    base_url = f"http://127.0.0.1:{port}"
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    try:
+        yield FakeStack(base_url, prefill, decode, pools[0], pools[1], client)
+    finally:
+        await client.close()
+        server.should_exit = True
+        await serving
+        for pool in pools:
+            await pool.aclose()
+        await prefill.aclose()
+        await decode.aclose()

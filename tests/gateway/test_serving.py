@@ -1,0 +1,241 @@
+"""Gateway behaviour over fake engines: the two legs, the stream relay, errors, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import MODEL, FakeStack, wait_until
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _header(recorded: dict[str, Any], name: str) -> str:
+    return next(v for k, v in recorded["headers"].items() if k.lower() == name)
+
+
+async def test_chat_runs_prefill_leg_then_decode_leg_with_the_handle(fake_stack: FakeStack) -> None:
+    completion = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, stream_options=None
+    )
+    assert completion.choices[0].finish_reason == "length"
+    [leg1] = fake_stack.prefill.stats.requests
+    [leg2] = fake_stack.decode.stats.requests
+    assert leg1["body"]["max_tokens"] == 1
+    assert leg1["body"]["stream"] is False
+    assert leg1["body"]["kv_transfer_params"]["do_remote_decode"] is True
+    handle = leg2["body"]["kv_transfer_params"]
+    assert handle["do_remote_prefill"] is True
+    assert handle["remote_engine_id"] == fake_stack.prefill.engine_id
+    # One request id travels with both legs.
+    assert _header(leg1, "x-request-id") == _header(leg2, "x-request-id")
+    assert fake_stack.decode.stats.num_remote_prefills == 1
+    assert fake_stack.decode.stats.num_local_prefills == 0
+    assert completion.id == f"chatcmpl-{_header(leg2, 'x-request-id')}"
+
+
+async def test_stream_without_include_usage_has_no_usage_anywhere(fake_stack: FakeStack) -> None:
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all(chunk.choices for chunk in chunks), "the usage chunk was stripped"
+    assert all("usage" not in chunk.model_dump(exclude_unset=True) for chunk in chunks)
+    assert {chunk.id for chunk in chunks} == {chunks[0].id}
+    assert len({chunk.created for chunk in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    # The finish reason arrives alone, with an empty delta, as OpenAI sends it.
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not chunks[-1].choices[0].delta.content
+    assert sum(1 for chunk in chunks if chunk.choices[0].delta.content) == 4
+    # The engine was still asked for usage (billing needs it).
+    [leg2] = fake_stack.decode.stats.requests
+    assert leg2["body"]["stream_options"] == {"include_usage": True}
+
+
+async def test_stream_with_include_usage_has_one_usage_chunk_last(fake_stack: FakeStack) -> None:
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert [chunk.usage is not None for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+async def test_raw_sse_framing(fake_stack: FakeStack) -> None:
+    async with (
+        httpx.AsyncClient() as http,
+        http.stream(
+            "POST",
+            f"{fake_stack.base_url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        raw = b"".join([part async for part in response.aiter_bytes()])
+    assert b"\r" not in raw
+    events = [event for event in raw.decode().split("\n\n") if event]
+    assert all(event.startswith(("data: ", ": ping")) for event in events)
+    assert events[-1] == "data: [DONE]"
+    assert not any(
+        line.startswith(("event:", "id:", "retry:")) for line in raw.decode().split("\n")
+    )
+
+
+async def test_completions_non_streaming(fake_stack: FakeStack) -> None:
+    completion = await fake_stack.client.completions.create(
+        model=MODEL, prompt="one two three", max_tokens=2
+    )
+    assert completion.object == "text_completion"
+    assert completion.id.startswith("cmpl-")
+    assert completion.usage is not None and completion.usage.completion_tokens == 2
+
+
+async def test_n_greater_than_one_runs_colocated(fake_stack: FakeStack) -> None:
+    completion = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, n=2
+    )
+    assert len(completion.choices) == 2
+    assert fake_stack.prefill.stats.requests == []
+    assert fake_stack.decode.stats.num_local_prefills == 1
+
+
+async def test_unknown_model_is_404(fake_stack: FakeStack) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await fake_stack.client.chat.completions.create(model="nope", messages=QUESTION)
+    assert caught.value.code == "model_not_found"
+    assert fake_stack.prefill.stats.requests == []
+
+
+async def test_prompt_too_long_is_400_context_length_exceeded(fake_stack: FakeStack) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await fake_stack.client.completions.create(model=MODEL, prompt="word " * 400)
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.param == "prompt"
+
+
+async def test_no_healthy_decode_worker_is_503_with_retry_after(fake_stack: FakeStack) -> None:
+    fake_stack.decode.healthy = False
+    await wait_until(lambda: not fake_stack.decode_pool.workers[0].healthy)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            f"{fake_stack.base_url}/v1/chat/completions",
+            json={"model": MODEL, "messages": QUESTION},
+        )
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "no_healthy_worker"
+    ready = await httpx.AsyncClient().get(f"{fake_stack.base_url}/ready")
+    assert ready.status_code == 503
+
+
+async def test_engine_failure_is_502_with_a_string_code(fake_stack: FakeStack) -> None:
+    fake_stack.prefill.fail_status = 500  # vLLM's body has an integer code
+    with pytest.raises(openai.InternalServerError) as caught:
+        await fake_stack.client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True)
+    assert caught.value.status_code == 502
+    assert caught.value.code == "engine_error"
+
+
+async def test_garbage_from_engine_is_502(fake_stack: FakeStack) -> None:
+    fake_stack.decode.garbage_response = True
+    with pytest.raises(openai.InternalServerError) as caught:
+        await fake_stack.client.chat.completions.create(model=MODEL, messages=QUESTION)
+    assert caught.value.status_code == 502
+
+
+async def test_decode_dying_mid_stream_ends_with_one_error_event(fake_stack: FakeStack) -> None:
+    fake_stack.decode.die_after_tokens = 2
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, stream=True
+    )
+    received = []
+    with pytest.raises(openai.APIError) as caught:
+        async for chunk in stream:
+            received.append(chunk)
+    assert received, "chunks before the failure reached the client"
+    assert "decode worker" in caught.value.message
+    await wait_until(lambda: fake_stack.decode_pool.workers[0].num_outstanding == 0)
+
+
+async def test_client_disconnect_aborts_the_engine_request(fake_stack: FakeStack) -> None:
+    fake_stack.decode.token_delay_s = 0.05
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=200, stream=True
+    )
+    async for _ in stream:
+        break
+    await stream.close()
+    await wait_until(lambda: fake_stack.decode.stats.num_aborted == 1)
+    await wait_until(lambda: fake_stack.decode_pool.workers[0].num_outstanding == 0)
+    assert fake_stack.decode.stats.num_running == 0
+
+
+async def test_bad_bodies_are_400_in_openai_shape(fake_stack: FakeStack) -> None:
+    cases = [
+        (b"{oops", None),
+        (b"[1, 2]", None),
+        (b'{"model": "fake-model"}', "messages"),
+        (
+            b'{"model": "fake-model", "messages": [{"role": "wizard", "content": "x"}]}',
+            "messages.0.role",
+        ),
+        (b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "n": 0}', "n"),
+        (
+            b'{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
+            "stop",
+        ),
+    ]
+    async with httpx.AsyncClient() as http:
+        for body, param in cases:
+            response = await http.post(
+                f"{fake_stack.base_url}/v1/chat/completions",
+                content=body,
+                headers={"Content-Type": "application/json"},
+            )
+            assert response.status_code == 400, body
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "invalid_request_error"
+            assert error["param"] == param or (param and error["param"].startswith(param)), body
+
+
+async def test_unknown_route_and_method_are_openai_errors(fake_stack: FakeStack) -> None:
+    async with httpx.AsyncClient() as http:
+        missing = await http.get(f"{fake_stack.base_url}/v1/nothing")
+        wrong_method = await http.get(f"{fake_stack.base_url}/v1/chat/completions")
+    assert missing.status_code == 404 and set(missing.json()) == {"error"}
+    assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error"}
+
+
+async def test_unknown_fields_pass_through_to_the_engine(fake_stack: FakeStack) -> None:
+    await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"top_k": 5}
+    )
+    [leg2] = fake_stack.decode.stats.requests
+    assert leg2["body"]["top_k"] == 5
+
+
+async def test_concurrent_streams_are_balanced_and_complete(fake_stack: FakeStack) -> None:
+    async def one() -> int:
+        stream = await fake_stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=5, stream=True
+        )
+        return sum(
+            [1 async for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+        )
+
+    counts = await asyncio.gather(*(one() for _ in range(20)))
+    assert counts == [5] * 20
+    assert fake_stack.decode_pool.workers[0].num_outstanding == 0
