@@ -1,4 +1,4 @@
-"""Billing: the exactly-once usage ledger, price cards, budgets, exports and measured cost per 1k tokens.
+"""Billing: the exactly-once usage ledger, price cards, budgets, exports, cost per 1k tokens.
 
 Empty until that issue lands.
 """

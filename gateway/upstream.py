@@ -168,7 +168,10 @@ def engine_status_error(worker: Worker, path: str, status: int, data: bytes) -> 
     message = _engine_message(data)
     if status == 400:
         if any(marker in message.lower() for marker in _CONTEXT_LENGTH_MARKERS):
-            param = "messages" if path == Endpoint.CHAT else "prompt"
+            if "max_tokens" in message:
+                param = "max_tokens"  # the output asked for alone exceeds the window
+            else:
+                param = "messages" if path == Endpoint.CHAT else "prompt"
             return ContextLengthExceededError(message, param=param)
         return InvalidRequestError(message)
     return EngineError(f"worker {worker.name} failed with HTTP {status}: {message}")

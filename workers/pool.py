@@ -53,7 +53,8 @@ class PoolConfig:
     restart_backoff_max_s: float = 60.0
     """Cap on the restart delay."""
     backoff_reset_after_s: float = 60.0
-    """A worker healthy this long before it exits is restarted after the initial delay again."""
+    """A worker that exits this long after it first became healthy is restarted after the initial
+    delay again (it had been working; the earlier crashes are history)."""
     ready_timeout_s: float = 600.0
     """Default limit for ``wait_ready`` (a cold vLLM boot on CPU takes ~1-3 min)."""
     stop_timeout_s: float = 15.0
@@ -96,7 +97,9 @@ class _Member:
     process: WorkerProcess | None  # None: external
     backoff_s: float
     started_at: float
-    healthy_since: float | None = None
+    # When the current process first answered /health. Kept through later health blips: a
+    # crash is often preceded by a failed poll, and that must not hide a long healthy run.
+    first_healthy_at: float | None = None
     num_exits: int = 0
     num_restarts: int = 0
     last_exit_code: int | None = None
@@ -265,10 +268,10 @@ class WorkerPool:
     def _set_health(self, m: _Member, error: str | None) -> None:
         worker = m.worker
         if error is None and not worker.healthy:
-            m.healthy_since = time.monotonic()
+            if m.first_healthy_at is None:
+                m.first_healthy_at = time.monotonic()
             logger.info("%s is healthy (%s)", worker.name, worker.base_url)
         elif error is not None and worker.healthy:
-            m.healthy_since = None
             logger.warning("%s is unhealthy: %s", worker.name, error)
         worker.healthy = error is None
         m.last_health_error = error or ""
@@ -279,9 +282,10 @@ class WorkerPool:
             code = await process.wait()
             m.worker.healthy = False
             now = time.monotonic()
-            if m.healthy_since is not None and now - m.healthy_since >= cfg.backoff_reset_after_s:
+            first_healthy_at = m.first_healthy_at
+            if first_healthy_at is not None and now - first_healthy_at >= cfg.backoff_reset_after_s:
                 m.backoff_s = cfg.restart_backoff_initial_s
-            m.healthy_since = None
+            m.first_healthy_at = None
             m.num_exits += 1
             m.last_exit_code = code
             delay = self._next_delay(m)

@@ -160,10 +160,14 @@ async def test_decode_dying_mid_stream_ends_with_one_error_event(fake_stack: Fak
     stream = await fake_stack.client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=6, stream=True
     )
-    received = []
-    with pytest.raises(openai.APIError) as caught:
+    received: list[object] = []
+
+    async def consume() -> None:
         async for chunk in stream:
             received.append(chunk)
+
+    with pytest.raises(openai.APIError) as caught:
+        await consume()
     assert received, "chunks before the failure reached the client"
     assert "decode worker" in caught.value.message
     await wait_until(lambda: fake_stack.decode_pool.workers[0].num_outstanding == 0)
