@@ -214,7 +214,9 @@ class WorkerPool:
                 return
             if now - started >= limit_s:
                 reasons = [
-                    await self._describe_failure(m, f"not healthy after {limit_s:g} s")
+                    await self._describe_failure(
+                        m, f"not healthy after {limit_s:g} s (last check: {m.last_health_error})"
+                    )
                     for m in self._members
                     if not m.worker.healthy
                 ]
@@ -328,7 +330,7 @@ class WorkerPool:
 
     async def _describe_failure(self, m: _Member, what: str) -> str:
         if m.process is None:
-            return f"{m.worker.name} ({m.worker.base_url}) {what}: {m.last_health_error}"
+            return f"{m.worker.name} ({m.worker.base_url}) {what}"
         tail = await asyncio.to_thread(tail_log, m.process.log_path)
         return (
             f"{m.worker.name} {what}; log: {m.process.log_path}\n"

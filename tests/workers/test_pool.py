@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,12 +45,17 @@ def pool_config(tmp_path: Path, *specs_env: dict[str, str]) -> PoolConfig:
     return replace(FAST, specs=specs, log_dir=tmp_path / "logs")
 
 
+def restarted(tmp_path: Path, old_pid: int) -> Callable[[], bool]:
+    """A condition: the fake worker reporting in ``tmp_path`` is a new process."""
+    return lambda: worker_info(tmp_path).get("pid") not in (None, old_pid)
+
+
 async def test_start_ready_aclose_leaves_no_process(tmp_path: Path) -> None:
     pool = PrefillPool(pool_config(tmp_path, {}, {}))
     lines: list[str] = []
     await pool.start()
     try:
-        await pool.wait_ready(timeout_s=10, on_progress=lines.append)
+        await pool.wait_ready(timeout_s=30, on_progress=lines.append)
         assert all(w.healthy for w in pool.workers)
         infos = [worker_info(tmp_path, f"prefill-{i}") for i in range(2)]
         pids = [pid for info in infos for pid in (info["pid"], info["grandchild_pid"])]
@@ -68,19 +74,18 @@ async def test_killed_worker_is_reported_and_restarted_with_backoff(
     pool = WorkerPool(pool_config(tmp_path, {}))
     await pool.start()
     try:
-        await pool.wait_ready(timeout_s=10)
+        await pool.wait_ready(timeout_s=30)
         (worker,) = pool.workers
         process = pool.process("prefill-0")
         assert process is not None
         delays = []
         for _ in range(2):
             old = worker_info(tmp_path)
-            os.kill(old["pid"], signal.SIGKILL)
-            await wait_for(lambda: not worker.healthy, timeout_s=2)
+            old_pid = old["pid"]
+            os.kill(old_pid, signal.SIGKILL)
+            await wait_for(lambda: not worker.healthy, timeout_s=10)
             # A new pid, and the old worker's grandchild swept from its process group.
-            await wait_for(
-                lambda old=old: worker_info(tmp_path).get("pid") not in (None, old["pid"])
-            )
+            await wait_for(restarted(tmp_path, old_pid))
             assert not alive(old["grandchild_pid"])
             await wait_for(lambda: worker.healthy)
             record = next(r for r in reversed(caplog.records) if "exited" in r.getMessage())
@@ -108,11 +113,11 @@ async def test_backoff_resets_after_a_healthy_while(
     try:
         (worker,) = pool.workers
         for _ in range(2):
-            await pool.wait_ready(timeout_s=10)
+            await pool.wait_ready(timeout_s=30)
             await asyncio.sleep(0.4)  # healthy for longer than backoff_reset_after_s
             old_pid = worker_info(tmp_path)["pid"]
             os.kill(old_pid, signal.SIGKILL)
-            await wait_for(lambda old_pid=old_pid: worker_info(tmp_path)["pid"] != old_pid)
+            await wait_for(restarted(tmp_path, old_pid))
             await wait_for(lambda: worker.healthy)
     finally:
         await pool.aclose()
@@ -126,7 +131,7 @@ async def test_worker_exiting_at_startup_fails_wait_ready(tmp_path: Path) -> Non
     await pool.start()
     try:
         with pytest.raises(WorkerStartupError) as excinfo:
-            await pool.wait_ready(timeout_s=10)
+            await pool.wait_ready(timeout_s=30)
     finally:
         await pool.aclose()
     message = str(excinfo.value)
@@ -140,11 +145,12 @@ async def test_wait_ready_times_out_naming_the_unhealthy_worker(tmp_path: Path) 
     lines: list[str] = []
     await pool.start()
     try:
+        await wait_for(lambda: bool(worker_info(tmp_path)))  # serving: its checks get a 503
         with pytest.raises(WorkerStartupError) as excinfo:
-            await pool.wait_ready(timeout_s=0.5, on_progress=lines.append)
+            await pool.wait_ready(timeout_s=1, on_progress=lines.append)
     finally:
         await pool.aclose()
-    assert "prefill-0 not healthy after 0.5 s; log: " in str(excinfo.value)
+    assert "prefill-0 not healthy after 1 s (last check: HTTP 503); log: " in str(excinfo.value)
     assert lines[0].startswith("prefill-0: starting (")
 
 
@@ -163,7 +169,7 @@ async def test_external_worker_is_polled_never_launched(tmp_path: Path) -> None:
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     await pool.start()
     try:
-        await pool.wait_ready(timeout_s=10)
+        await pool.wait_ready(timeout_s=30)
         (worker,) = pool.workers
         assert (worker.name, worker.base_url, worker.healthy) == ("decode-ext-0", url, True)
         assert pool.process("decode-ext-0") is None

@@ -47,9 +47,9 @@ def fake_spec(tmp_path: Path, name: str = "prefill-0", **env: str) -> WorkerSpec
 
 
 async def wait_for(
-    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = 30.0
 ) -> None:
-    """Poll ``condition`` until true; fail the test at the deadline."""
+    """Poll ``condition`` until true; fail the test at the deadline (generous: CI may be busy)."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = condition()

@@ -1,0 +1,97 @@
+"""503 and 502 from real workers: a second gateway over the live workers, miswired on purpose.
+
+The session's gateway stays untouched; these gateways share its vLLM workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import openai
+import pytest
+import uvicorn
+
+from core.messages import WorkerRole
+from gateway.app import GatewayConfig, create_app
+from gateway.pipeline import ServedModel
+from gateway.upstream import UpstreamConfig
+from tests.e2e.conftest import LiveStack, _free_port_block
+from workers.pool import PoolConfig, WorkerPool
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "Hi"}]
+
+
+@contextmanager
+def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[openai.OpenAI]:
+    """A gateway on its own thread and event loop over external workers at these URLs."""
+    port = _free_port_block(1)
+    started = threading.Event()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        pools = [
+            WorkerPool(PoolConfig(role, external_urls=(url,), health_interval_s=0.2))
+            for role, url in ((WorkerRole.PREFILL, prefill_url), (WorkerRole.DECODE, decode_url))
+        ]
+        for pool in pools:
+            await pool.start()
+        app = create_app(
+            GatewayConfig(upstream=UpstreamConfig()),
+            pools[0],
+            pools[1],
+            [ServedModel(model, None, 0)],
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        task = asyncio.create_task(server.serve())
+        while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # a few health rounds
+        started.set()
+        await asyncio.to_thread(stop.wait)
+        server.should_exit = True
+        await task
+        for pool in pools:
+            await pool.aclose()
+
+    # uvicorn installs signal handlers only on the main thread; here it skips them.
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(30), "second gateway did not start"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    try:
+        yield client
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_no_healthy_decode_worker_is_503(live_stack: LiveStack) -> None:
+    dead = f"http://127.0.0.1:{_free_port_block(1)}"  # nothing listens there
+    with (
+        gateway_over(live_stack.model, live_stack.prefill_url, dead) as client,
+        pytest.raises(openai.APIStatusError) as caught,
+    ):
+        client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert caught.value.code == "no_healthy_worker"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_worker_that_is_not_a_kv_producer_is_502(live_stack: LiveStack) -> None:
+    # The decode worker (kv_consumer) wired as the prefill pool returns no transfer handle:
+    # an engine-side fault the client sees as a 502 with a string code, not junk forwarded on.
+    with (
+        gateway_over(live_stack.model, live_stack.decode_url, live_stack.decode_url) as client,
+        pytest.raises(openai.InternalServerError) as caught,
+    ):
+        client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=2)
+    assert caught.value.status_code == 502
+    assert caught.value.code == "engine_error"
+    assert "kv_producer" in caught.value.message
