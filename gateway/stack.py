@@ -100,6 +100,7 @@ class Stack:
             max_model_len=settings.max_model_len,
             kv_cache_gib=settings.kv_cache_gib,
             enforce_eager=settings.enforce_eager,
+            dtype=settings.dtype,
         )
         num_prefill = settings.num_prefill_workers
         binds: tuple[str | None, ...] = tuple(settings.cpu_binding)

@@ -50,6 +50,8 @@ class LaunchConfig:
     """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM parses it as an int)."""
     enforce_eager: bool = False
     """Skip graph compilation (``--enforce-eager``): boots in ~half the time, decodes slower."""
+    dtype: str = "auto"
+    """Weights and activations dtype (``--dtype``); ``auto`` takes the checkpoint's."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
     extra_args: tuple[str, ...] = ()
@@ -132,6 +134,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--max-model-len", str(launch.max_model_len)]
     if launch.enforce_eager:
         argv.append("--enforce-eager")
+    if launch.dtype != "auto":
+        argv += ["--dtype", launch.dtype]
     argv += launch.extra_args
     return argv
 

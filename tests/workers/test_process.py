@@ -95,6 +95,7 @@ def test_prefill_and_decode_command_lines() -> None:
         max_model_len=2048,
         kv_cache_gib=2,
         enforce_eager=True,
+        dtype="float32",
         connector=ConnectorConfig(),
         extra_env={"HF_HUB_OFFLINE": "0"},
     )
@@ -112,7 +113,8 @@ def test_prefill_and_decode_command_lines() -> None:
     assert flags["--served-model-name"] == "smol"
     assert (flags["--host"], flags["--port"]) == ("127.0.0.1", "9100")
     assert flags["--max-model-len"] == "2048"
-    assert argv[-1] == "--enforce-eager"
+    assert "--enforce-eager" in argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
