@@ -6,6 +6,7 @@ The session's gateway stays untouched; these gateways share its vLLM workers.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,7 +74,15 @@ def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[open
 
 
 def test_no_healthy_decode_worker_is_503(live_stack: LiveStack) -> None:
-    dead = f"http://127.0.0.1:{_free_port_block(1)}"  # nothing listens there
+    # A port held bound but never listening: connections are refused, and no other server
+    # (such as the second gateway itself) can take it meanwhile.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{held.getsockname()[1]}"
+        _expect_503(live_stack, dead)
+
+
+def _expect_503(live_stack: LiveStack, dead: str) -> None:
     with (
         gateway_over(live_stack.model, live_stack.prefill_url, dead) as client,
         pytest.raises(openai.APIStatusError) as caught,
@@ -85,8 +94,8 @@ def test_no_healthy_decode_worker_is_503(live_stack: LiveStack) -> None:
 
 
 def test_worker_that_is_not_a_kv_producer_is_502(live_stack: LiveStack) -> None:
-    # The decode worker (kv_consumer) wired as the prefill pool returns no transfer handle:
-    # an engine-side fault the client sees as a 502 with a string code, not junk forwarded on.
+    # The decode worker (a kv_consumer) wired as the prefill pool fails the prefill leg with
+    # vLLM's 500 and its integer error code: the client must see a 502 with a string code.
     with (
         gateway_over(live_stack.model, live_stack.decode_url, live_stack.decode_url) as client,
         pytest.raises(openai.InternalServerError) as caught,
@@ -94,4 +103,4 @@ def test_worker_that_is_not_a_kv_producer_is_502(live_stack: LiveStack) -> None:
         client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=2)
     assert caught.value.status_code == 502
     assert caught.value.code == "engine_error"
-    assert "kv_producer" in caught.value.message
+    assert "decode-ext-0" in caught.value.message
