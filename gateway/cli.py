@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -132,6 +133,12 @@ async def _up(settings: TandemSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
 
+    if not _port_is_free(settings.host, settings.port):
+        console.print(
+            f"[red]{settings.host}:{settings.port} is in use[/]: stop what runs there or pick "
+            "another port with --port / TANDEM_PORT"
+        )
+        return 1
     needs_model = settings.num_prefill_workers + settings.num_decode_workers > 0
     stack: Stack | None = None
     try:
@@ -178,6 +185,17 @@ async def _up(settings: TandemSettings) -> int:
             with _status_line("stopping workers"):
                 await stack.aclose()
             console.print("all workers stopped")
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    # Checked before the workers boot (minutes), not discovered when uvicorn binds after them.
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class _Server(uvicorn.Server):

@@ -10,8 +10,10 @@ gateway's, so they stay the same across legs and workers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,7 +79,7 @@ class ServingPipeline:
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
     ) -> dict[str, Any]:
         """Serve a non-streaming request and return the client's JSON body."""
-        try:
+        with _ended_on_error(request):
             decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
             decode_body["stream"] = False
             request.advance(RequestPhase.DECODING)
@@ -85,12 +87,6 @@ class ServingPipeline:
                 response = await self._engine.post_json(
                     decode_worker, endpoint, decode_body, request.request_id, prefill=False
                 )
-        except TandemError as exc:
-            self._end_failed(request, exc)
-            raise
-        except BaseException:
-            self._end_aborted(request)
-            raise
         response.pop("kv_transfer_params", None)
         response["id"] = response_id(endpoint, request)
         response["created"] = request.created
@@ -108,7 +104,7 @@ class ServingPipeline:
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
         """
-        try:
+        with _ended_on_error(request):
             decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
             stream_options = dict(body.get("stream_options") or {})
             stream_options["include_usage"] = True
@@ -117,12 +113,6 @@ class ServingPipeline:
                 upstream = await self._engine.open_stream(
                     decode_worker, endpoint, decode_body, request.request_id
                 )
-        except TandemError as exc:
-            self._end_failed(request, exc)
-            raise
-        except BaseException:
-            self._end_aborted(request)
-            raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return RelayStream(upstream, decode_worker, request, endpoint, include_usage)
 
@@ -159,17 +149,24 @@ class ServingPipeline:
         # vLLM's NIXL hand-off carries one sequence's KV; n > 1 runs colocated.
         return int(body.get("n") or 1) == 1
 
-    @staticmethod
-    def _end_failed(request: Request, exc: TandemError) -> None:
-        if not request.phase.is_terminal:
-            request.fail(exc.code)
-        log.warning("request %s failed: %s (%s)", request.request_id, exc.message, exc.code)
 
-    @staticmethod
-    def _end_aborted(request: Request) -> None:
-        if not request.phase.is_terminal:
-            request.abort()
+@contextmanager
+def _ended_on_error(request: Request) -> Iterator[None]:
+    """End ``request`` in the right terminal phase if the block raises, then re-raise."""
+    try:
+        yield
+    except TandemError as exc:
+        request.fail(exc.code)
+        log.warning("request %s failed: %s (%s)", request.request_id, exc.message, exc.code)
+        raise
+    except asyncio.CancelledError:
+        request.abort()
         log.info("request %s aborted: the client went away", request.request_id)
+        raise
+    except Exception:
+        # A bug: the client gets the catch-all 500 from gateway/errors.py; count it as failed.
+        request.fail("internal_error")
+        raise
 
 
 def _pick(pool: WorkerSource, role: str) -> Worker:
