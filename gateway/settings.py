@@ -72,7 +72,9 @@ class TandemSettings(BaseSettings):
     @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
-        # Environment variables carry lists as comma-separated strings.
-        if isinstance(value, str):
-            return [item.strip().rstrip("/") for item in value.split(",") if item.strip()]
+        # Environment variables carry lists as comma-separated strings; URLs lose a trailing "/"
+        # because the gateway appends paths to them.
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list):
+            return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
         return value
