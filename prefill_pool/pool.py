@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.messages import WorkerRole
-from workers.pool import PoolConfig, WorkerPool
+from workers.pool import WorkerPool
 from workers.process import LaunchConfig, WorkerSpec, numbered_specs
 
 DEFAULT_BASE_PORT = 8100
@@ -34,9 +34,4 @@ def prefill_worker_specs(
 class PrefillPool(WorkerPool):
     """The prefill workers, managed and external; ``pick()`` chooses one for a request."""
 
-    def __init__(self, config: PoolConfig) -> None:
-        if config.role is not WorkerRole.PREFILL:
-            raise ValueError(
-                f"PoolConfig.role must be 'prefill' for a PrefillPool, got {config.role.value!r}"
-            )
-        super().__init__(config)
+    role = WorkerRole.PREFILL

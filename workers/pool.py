@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import aiohttp
 
@@ -109,7 +110,15 @@ class _Member:
 class WorkerPool:
     """Workers of one role, their processes and health. ``start()`` then ``aclose()``."""
 
+    role: ClassVar[WorkerRole | None] = None
+    """Set by a role's own pool class; its configs must be for that role."""
+
     def __init__(self, config: PoolConfig) -> None:
+        if self.role is not None and config.role is not self.role:
+            raise ValueError(
+                f"PoolConfig.role must be {self.role.value!r} for a {type(self).__name__}, "
+                f"got {config.role.value!r}"
+            )
         self.config = config
         now = time.monotonic()
         self._members = [
