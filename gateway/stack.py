@@ -22,7 +22,7 @@ from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
 from gateway.upstream import UpstreamConfig
 from prefill_pool import PrefillPool, prefill_worker_specs
-from workers.model import ModelPreparationError, PreparedModel, prepare_model
+from workers.model import ModelPreparationError, PreparedModel, find_prepared
 from workers.pool import PoolConfig, WorkerPool
 from workers.process import LaunchConfig, WorkerSpec
 
@@ -33,10 +33,9 @@ def prepare_model_in_subprocess(source: Path | None, cache_dir: Path | None) -> 
     Conversion imports torch and transformers (~1 GB resident); doing it in a child keeps the
     gateway process lean. A prepared model is found instantly without starting the child.
     """
-    try:
-        return prepare_model(source, cache_dir=cache_dir, convert=_refuse_to_convert)
-    except _NeedsConversion:
-        pass
+    prepared = find_prepared(source, cache_dir=cache_dir)
+    if prepared is not None:
+        return prepared
     argv = [sys.executable, "-m", "workers.model"]
     if source is not None:
         argv += ["--model", str(source)]
@@ -44,15 +43,10 @@ def prepare_model_in_subprocess(source: Path | None, cache_dir: Path | None) -> 
         argv += ["--cache-dir", str(cache_dir)]
     if subprocess.run(argv, check=False).returncode != 0:
         raise ModelPreparationError("model preparation failed; see the messages above")
-    return prepare_model(source, cache_dir=cache_dir, convert=_refuse_to_convert)
-
-
-class _NeedsConversion(ModelPreparationError):
-    pass
-
-
-def _refuse_to_convert(gguf: Path, out_dir: Path, progress: object) -> None:
-    raise _NeedsConversion(f"{gguf} is not prepared yet")
+    prepared = find_prepared(source, cache_dir=cache_dir)
+    if prepared is None:
+        raise ModelPreparationError("model preparation finished but left no complete folder")
+    return prepared
 
 
 def _pool_config(

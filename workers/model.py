@@ -40,6 +40,7 @@ __all__ = [
     "RichProgress",
     "convert_gguf",
     "default_cache_dir",
+    "find_prepared",
     "main",
     "prepare_model",
 ]
@@ -163,6 +164,21 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem"
 
 
+def find_prepared(
+    source: Path | None = None, *, cache_dir: Path | None = None
+) -> PreparedModel | None:
+    """The prepared model for ``source`` if it is ready now, else None. Never converts.
+
+    Lets a serving process skip starting a conversion child when the cache is already good.
+    """
+    located = _locate(source, cache_dir, _Silent())
+    if isinstance(located, PreparedModel):
+        return located
+    if not _is_complete(located.target):
+        return None
+    return PreparedModel(located.target, located.served_name, _max_model_len(located.target))
+
+
 def prepare_model(
     source: Path | None = None,
     *,
@@ -176,6 +192,32 @@ def prepare_model(
     cache; later calls find the verified folder and return without importing torch.
     """
     reporter: ProgressReporter = progress if progress is not None else _Silent()
+    located = _locate(source, cache_dir, reporter)
+    if isinstance(located, PreparedModel):
+        return located
+    target = located.target
+    if not _is_complete(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.parent / f".{target.name}.lock"):
+            # Another process may have finished it while we waited for the lock.
+            if not _is_complete(target):
+                _build(located.gguf, target, reporter, convert)
+    return PreparedModel(target, located.served_name, _max_model_len(target))
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedConversion:
+    """Where a GGUF's converted folder lives (or will) in the cache."""
+
+    gguf: Path
+    target: Path
+    served_name: str
+
+
+def _locate(
+    source: Path | None, cache_dir: Path | None, reporter: ProgressReporter
+) -> PreparedModel | _CachedConversion:
+    """An HF folder (checked, used in place) or where the GGUF's conversion belongs."""
     reporter.step("locating")
     if source is None:
         gguf, served_name = _bundled_gguf(), BUNDLED_SERVED_NAME
@@ -189,16 +231,9 @@ def prepare_model(
             return PreparedModel(source, source.name.lower(), _max_model_len(source))
         _check_gguf_file(source)
         gguf, served_name = source, source.stem.lower()
-
     models_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
     target = models_dir / f"{_slug(served_name)}-{_fingerprint(gguf)}"
-    if not _is_complete(target):
-        models_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(models_dir / f".{target.name}.lock"):
-            # Another process may have finished it while we waited for the lock.
-            if not _is_complete(target):
-                _build(gguf, target, reporter, convert)
-    return PreparedModel(target, served_name, _max_model_len(target))
+    return _CachedConversion(gguf, target, served_name)
 
 
 def _build(gguf: Path, target: Path, progress: ProgressReporter, convert: GgufConverter) -> None:

@@ -28,6 +28,7 @@ from workers.model import (
     ProgressReporter,
     RichProgress,
     default_cache_dir,
+    find_prepared,
     main,
     prepare_model,
 )
@@ -106,6 +107,7 @@ def test_public_exports() -> None:
         "RichProgress",
         "convert_gguf",
         "default_cache_dir",
+        "find_prepared",
         "main",
         "prepare_model",
     }
@@ -139,6 +141,15 @@ def test_converts_once_then_reuses_the_verified_folder(gguf: Path, cache: Path) 
     assert again == prepared
     assert len(convert.calls) == 1
     assert second.stages == ["locating"]
+
+
+def test_find_prepared_never_converts(gguf: Path, cache: Path) -> None:
+    assert find_prepared(gguf, cache_dir=cache) is None
+    assert not (cache / "models").exists(), "looking must not create anything"
+    prepared = prepare_model(gguf, cache_dir=cache, convert=FakeConverter())
+    assert find_prepared(gguf, cache_dir=cache) == prepared
+    _truncate_weights(prepared.path)
+    assert find_prepared(gguf, cache_dir=cache) is None, "a damaged folder is not ready"
 
 
 def _remove_manifest(folder: Path) -> None:
