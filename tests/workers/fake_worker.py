@@ -40,6 +40,9 @@ def main() -> None:
     )
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        # A second SIGTERM (seen here: the parent-death signal plus one more for an orphan)
+        # must not re-enter: a nested Popen.wait deadlocks on the lock the outer one holds.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         grandchild.terminate()
         grandchild.wait()
         sys.exit(0)
