@@ -18,7 +18,8 @@ class ServingPath(enum.StrEnum):
     """How a request was served; recorded per request for metrics and billing."""
 
     DISAGGREGATED = "disaggregated"  # prefill worker, KV over NIXL, decode worker
-    COLOCATED = "colocated"  # one decode worker did prefill and decode
+    COLOCATED = "colocated"  # one decode worker did prefill and decode, by choice
+    FALLBACK = "fallback"  # meant to split, but the prefill side failed: served colocated
 
 
 class Endpoint(enum.StrEnum):

@@ -47,6 +47,7 @@ class Request:
     created: int = field(default_factory=lambda: int(time.time()))
     phase: RequestPhase = RequestPhase.RECEIVED
     path: ServingPath | None = None
+    path_reason: str | None = None  # why that path (kv_transfer.decider.Reason)
     prefill_worker: str | None = None
     decode_worker: str | None = None
     usage: Usage | None = None

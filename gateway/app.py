@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.errors import install_error_handlers
-from gateway.pipeline import ServedModel, ServingPipeline, WorkerSource
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.routes_openai import router as openai_router
 from gateway.upstream import EngineClient, UpstreamConfig
-from workers.registry import Worker
+from kv_transfer.decider import DeciderConfig
+from workers.registry import Worker, WorkerSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,8 @@ class GatewayConfig:
     """Time limits towards the workers."""
     sse_ping_interval_s: float = 15.0
     """Heartbeat interval on client streams."""
+    decider: DeciderConfig = field(default_factory=DeciderConfig)
+    """When a request is split across prefill and decode workers."""
 
 
 def create_app(
@@ -39,13 +44,16 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = EngineClient(config.upstream)
         await engine.start()
-        app.state.pipeline = ServingPipeline(engine, prefill, decode, models)
+        app.state.pipeline = ServingPipeline(
+            engine, prefill, decode, models, config.decider, metrics
+        )
         app.state.sse_ping_interval_s = config.sse_ping_interval_s
         try:
             yield
         finally:
             await engine.aclose()
 
+    metrics = GatewayMetrics([prefill, decode])
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(openai_router)
@@ -54,6 +62,11 @@ def create_app(
     async def health() -> dict[str, str]:
         """Liveness: the gateway process answers."""
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text: requests by path and outcome, latencies, tokens, worker state."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -15,30 +15,23 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from core.errors import ModelNotFoundError, NoHealthyWorkerError, TandemError
+from core.errors import EngineError, ModelNotFoundError, NoHealthyWorkerError, TandemError
 from core.messages import Endpoint, ServingPath, Usage
 from core.request import Request, RequestPhase
+from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient
-from kv_transfer.legs import decode_leg_body, prefill_leg_body, transfer_handle
-from workers.registry import Worker
+from kv_transfer.decider import DeciderConfig, Reason, decide
+from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body, transfer_handle
+from workers.registry import Worker, WorkerSource
 
 log = logging.getLogger("tandem.requests")
 
 # How long a client is told to wait when no worker is healthy: about one health-poll round
 # plus a worker restart's first backoff step.
 _NO_WORKER_RETRY_AFTER_S = 5.0
-
-
-class WorkerSource(Protocol):
-    """A pool as the pipeline sees it."""
-
-    @property
-    def workers(self) -> Sequence[Worker]: ...
-
-    def pick(self) -> Worker | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +52,14 @@ class ServingPipeline:
         prefill: WorkerSource,
         decode: WorkerSource,
         models: Sequence[ServedModel],
+        decider: DeciderConfig,
+        metrics: GatewayMetrics,
     ) -> None:
         self._engine = engine
         self._prefill = prefill
         self._decode = decode
+        self._decider = decider
+        self._metrics = metrics
         self.models = tuple(models)
         self._model_names = frozenset(model.name for model in models)
 
@@ -79,7 +76,7 @@ class ServingPipeline:
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
     ) -> dict[str, Any]:
         """Serve a non-streaming request and return the client's JSON body."""
-        with _ended_on_error(request):
+        with self._ended_on_error(request):
             decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
             decode_body["stream"] = False
             request.advance(RequestPhase.DECODING)
@@ -93,7 +90,7 @@ class ServingPipeline:
         choices = response.get("choices") or [{}]
         request.mark_first_token()
         request.finish(choices[0].get("finish_reason"), _usage(response))
-        log_request_end(request)
+        self._observe_end(request)
         return response
 
     async def stream(
@@ -104,7 +101,7 @@ class ServingPipeline:
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
         """
-        with _ended_on_error(request):
+        with self._ended_on_error(request):
             decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
             stream_options = dict(body.get("stream_options") or {})
             stream_options["include_usage"] = True
@@ -114,59 +111,75 @@ class ServingPipeline:
                     decode_worker, endpoint, decode_body, request.request_id
                 )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return RelayStream(upstream, decode_worker, request, endpoint, include_usage)
+        return RelayStream(
+            upstream, decode_worker, request, endpoint, include_usage, self._observe_end
+        )
 
     async def _prepare_decode(
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
     ) -> tuple[Worker, dict[str, Any]]:
-        """Pick workers, run the prefill leg when disaggregating; return the decode leg."""
+        """Pick workers, run the prefill leg when disaggregating; return the decode leg.
+
+        A prefill side that is down or fails (5xx, unreachable, timeout) is not the client's
+        problem: the request falls back to colocated serving on the decode worker. A 400 from
+        the prefill worker is about the request and reaches the client.
+        """
         decode_worker = _pick(self._decode, "decode")
         request.decode_worker = decode_worker.name
-        if not self._should_disaggregate(body):
-            request.path = ServingPath.COLOCATED
-            return decode_worker, dict(body)
-        prefill_worker = _pick(self._prefill, "prefill")
+        prefill_worker = self._prefill.pick()
+        decision = decide(
+            body,
+            self._decider,
+            has_prefill_pool=bool(self._prefill.workers),
+            prefill_healthy=prefill_worker is not None,
+        )
+        request.path, request.path_reason = decision.path, decision.reason
+        if decision.path is not ServingPath.DISAGGREGATED or prefill_worker is None:
+            return decode_worker, colocated_body(body)
         request.prefill_worker = prefill_worker.name
-        request.path = ServingPath.DISAGGREGATED
         request.advance(RequestPhase.PREFILLING)
-        with prefill_worker.lease():
-            prefilled = await self._engine.post_json(
-                prefill_worker,
-                endpoint,
-                prefill_leg_body(body),
-                request.request_id,
-                prefill=True,
-            )
-        handle = transfer_handle(prefilled, prefill_worker.name)
+        try:
+            with prefill_worker.lease():
+                prefilled = await self._engine.post_json(
+                    prefill_worker, endpoint, prefill_leg_body(body), request.request_id,
+                    prefill=True,
+                )  # fmt: skip
+            handle = transfer_handle(prefilled, prefill_worker.name)
+        except EngineError as exc:
+            log.warning(
+                "request %s: prefill on %s failed (%s); serving it colocated on %s",
+                request.request_id, prefill_worker.name, exc.message, decode_worker.name,
+            )  # fmt: skip
+            request.path, request.path_reason = ServingPath.FALLBACK, Reason.PREFILL_FAILED
+            return decode_worker, colocated_body(body)
         # The decode worker pulls the KV when it schedules leg 2; the phase records the hand-off.
         request.advance(RequestPhase.KV_TRANSFERRING)
         return decode_worker, decode_leg_body(body, handle)
 
-    def _should_disaggregate(self, body: dict[str, Any]) -> bool:
-        # No prefill pool configured: every request is served colocated on a decode worker.
-        if not self._prefill.workers:
-            return False
-        # vLLM's NIXL hand-off carries one sequence's KV; n > 1 runs colocated.
-        return int(body.get("n") or 1) == 1
+    def _observe_end(self, request: Request) -> None:
+        log_request_end(request)
+        self._metrics.observe_end(request)
 
-
-@contextmanager
-def _ended_on_error(request: Request) -> Iterator[None]:
-    """End ``request`` in the right terminal phase if the block raises, then re-raise."""
-    try:
-        yield
-    except TandemError as exc:
-        request.fail(exc.code)
-        log.warning("request %s failed: %s (%s)", request.request_id, exc.message, exc.code)
-        raise
-    except asyncio.CancelledError:
-        request.abort()
-        log.info("request %s aborted: the client went away", request.request_id)
-        raise
-    except Exception:
-        # A bug: the client gets the catch-all 500 from gateway/errors.py; count it as failed.
-        request.fail("internal_error")
-        raise
+    @contextmanager
+    def _ended_on_error(self, request: Request) -> Iterator[None]:
+        """End ``request`` in the right terminal phase if the block raises, then re-raise."""
+        try:
+            yield
+        except TandemError as exc:
+            request.fail(exc.code)
+            log.warning("request %s failed: %s (%s)", request.request_id, exc.message, exc.code)
+            self._metrics.observe_end(request)
+            raise
+        except asyncio.CancelledError:
+            request.abort()
+            log.info("request %s aborted: the client went away", request.request_id)
+            self._metrics.observe_end(request)
+            raise
+        except Exception:
+            # A bug: the client gets the catch-all 500 from gateway/errors.py; count it as failed.
+            request.fail("internal_error")
+            self._metrics.observe_end(request)
+            raise
 
 
 def _pick(pool: WorkerSource, role: str) -> Worker:

@@ -8,7 +8,7 @@ re-serialised. The engine's usage and the finish reason are recorded on the ``Re
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -37,6 +37,7 @@ class RelayStream:
         request: Request,
         endpoint: Endpoint,
         include_usage: bool,
+        on_end: Callable[[Request], None],
     ) -> None:
         self._upstream = upstream
         self._response_id = response_id(endpoint, request)
@@ -44,6 +45,7 @@ class RelayStream:
         self._worker = worker
         self._request = request
         self._include_usage = include_usage
+        self._on_end = on_end
         self._closed = False
         worker.num_outstanding += 1
 
@@ -77,10 +79,11 @@ class RelayStream:
             # Headers are gone: the error becomes one event and the stream ends (WIRE.md §1).
             request.fail(exc.code)
             log.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
+            self._on_end(request)
             yield orjson.dumps(exc.to_body()).decode()
             return
         request.finish(finish_reason, usage)
-        log_request_end(request)
+        self._on_end(request)
         yield "[DONE]"
 
     async def aclose(self) -> None:
@@ -92,6 +95,7 @@ class RelayStream:
         if not self._request.phase.is_terminal:
             self._request.abort()
             log.info("request %s aborted: the client went away", self._request.request_id)
+            self._on_end(self._request)
 
     def _parse(self, payload: bytes) -> dict[str, Any]:
         try:

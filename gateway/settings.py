@@ -64,6 +64,9 @@ class TandemSettings(BaseSettings):
     """Whole-leg time limit for the prefill leg (it returns one token)."""
     decode_idle_timeout_s: float = Field(120.0, gt=0)
     """Longest wait for the next byte from a decode worker before the request fails."""
+    disaggregate_min_prompt_tokens: int = Field(256, ge=0)
+    """Prompts estimated shorter than this run colocated on a decode worker (0: always split).
+    Splitting adds a hop and a KV transfer to time to first token; short prompts gain nothing."""
     sse_ping_interval_s: float = Field(15.0, gt=0)
     """Heartbeat comment interval on client streams."""
     health_interval_s: float = Field(1.0, gt=0)

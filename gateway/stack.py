@@ -21,6 +21,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
 from gateway.upstream import UpstreamConfig
+from kv_transfer.decider import DeciderConfig
 from prefill_pool import PrefillPool, prefill_worker_specs
 from workers.model import ModelPreparationError, PreparedModel, find_prepared
 from workers.pool import PoolConfig, WorkerPool
@@ -158,5 +159,6 @@ class Stack:
                 decode_idle_timeout_s=settings.decode_idle_timeout_s,
             ),
             sse_ping_interval_s=settings.sse_ping_interval_s,
+            decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
         )
         return create_app(config, self.prefill, self.decode, [self.model])

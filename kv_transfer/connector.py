@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from core.messages import WorkerRole
 
@@ -24,6 +24,10 @@ class ConnectorConfig:
     """vLLM KV connector class name; NIXL (over UCX) works on CPU and GPU alike."""
     buffer_device: KvBufferDevice = KvBufferDevice.CPU
     """Device holding transfer buffers; ``cpu`` for vLLM's CPU build."""
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    """What a decode worker does when it cannot read the KV (the prefill worker died or its
+    lease expired): ``recompute`` prefills locally, so the client still gets its answer;
+    vLLM's default ``fail`` answers HTTP 500."""
 
 
 _ROLE_TO_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
@@ -35,6 +39,7 @@ def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, A
         "kv_connector": config.connector,
         "kv_role": _ROLE_TO_KV_ROLE[role],
         "kv_buffer_device": config.buffer_device.value,
+        "kv_load_failure_policy": config.load_failure_policy,
     }
 
 

@@ -58,6 +58,12 @@ def transfer_handle(prefill_response: dict[str, Any], worker_name: str) -> dict[
     return params
 
 
+def colocated_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request for one worker doing both phases. A client cannot smuggle in
+    ``kv_transfer_params``: they would point a worker at KV blocks of another request."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 def decode_leg_body(body: dict[str, Any], handle: dict[str, Any]) -> dict[str, Any]:
     """Leg 2: the client's request plus the transfer handle from leg 1."""
     leg = dict(body)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from core.messages import WorkerRole
 
@@ -37,3 +38,12 @@ def least_loaded(workers: Iterable[Worker]) -> Worker | None:
         if worker.healthy and (best is None or worker.num_outstanding < best.num_outstanding):
             best = worker
     return best
+
+
+class WorkerSource(Protocol):
+    """A pool as the router sees it: its workers, and a pick among the healthy ones."""
+
+    @property
+    def workers(self) -> Sequence[Worker]: ...
+
+    def pick(self) -> Worker | None: ...

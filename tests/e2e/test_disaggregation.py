@@ -34,7 +34,8 @@ def test_decode_worker_receives_kv_instead_of_recomputing(
     client: openai.OpenAI, live_stack: LiveStack
 ) -> None:
     # A prompt no worker has seen, so no prefix cache can explain the numbers.
-    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(120))
+    # Long enough to pass the decider's default threshold (256 estimated tokens).
+    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(160))
     before_decode = prompt_tokens_by_source(live_stack.decode_url)
     before_prefill = prompt_tokens_by_source(live_stack.prefill_url)
 
@@ -60,3 +61,31 @@ def test_decode_worker_receives_kv_instead_of_recomputing(
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {source: after[source] - before.get(source, 0.0) for source in after}
+
+
+def test_decider_short_prompt_colocated_long_prompt_split(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    def count(path: str, reason: str) -> float:
+        text = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
+        pattern = (
+            rf'^tandem_requests_total\{{outcome="finished",path="{path}",reason="{reason}"\}}'
+            r"\s+([0-9.]+)$"
+        )
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    short_before = count("colocated", "short_prompt")
+    long_before = count("disaggregated", "long_prompt")
+    prefill_before = prompt_tokens_by_source(live_stack.prefill_url).get("local_compute", 0.0)
+    client.chat.completions.create(
+        model=live_stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert count("colocated", "short_prompt") == short_before + 1
+    # The prefill worker never saw the short prompt.
+    assert prompt_tokens_by_source(live_stack.prefill_url).get("local_compute") == prefill_before
+    long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
+    client.chat.completions.create(
+        model=live_stack.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=2
+    )
+    assert count("disaggregated", "long_prompt") == long_before + 1

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -93,14 +94,30 @@ def _expect_503(live_stack: LiveStack, dead: str) -> None:
     assert int(caught.value.response.headers["retry-after"]) >= 1
 
 
-def test_worker_that_is_not_a_kv_producer_is_502(live_stack: LiveStack) -> None:
-    # The decode worker (a kv_consumer) wired as the prefill pool fails the prefill leg with
-    # vLLM's 500 and its integer error code: the client must see a 502 with a string code.
+def test_engine_error_is_502_with_a_string_code(live_stack: LiveStack) -> None:
+    # A gateway that serves a model name its decode worker does not know: vLLM answers 404
+    # with an integer code; that is the engine's (configuration's) fault, so the client gets a
+    # 502 with a string code.
     with (
-        gateway_over(live_stack.model, live_stack.decode_url, live_stack.decode_url) as client,
+        gateway_over("misnamed", live_stack.prefill_url, live_stack.decode_url) as client,
         pytest.raises(openai.InternalServerError) as caught,
     ):
-        client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=2)
+        client.chat.completions.create(model="misnamed", messages=QUESTION, max_tokens=2)
     assert caught.value.status_code == 502
     assert caught.value.code == "engine_error"
     assert "decode-ext-0" in caught.value.message
+
+
+def test_failed_prefill_leg_falls_back_to_colocated(live_stack: LiveStack) -> None:
+    # The decode worker (a kv_consumer) wired as the prefill pool fails the prefill leg with
+    # vLLM's 500: the request still gets its answer, served colocated, and is counted so.
+    long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
+    with gateway_over(live_stack.model, live_stack.decode_url, live_stack.decode_url) as client:
+        completion = client.chat.completions.create(
+            model=live_stack.model,
+            messages=[{"role": "user", "content": long_prompt}],
+            max_tokens=4,
+        )
+        metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+    assert completion.choices[0].message.content
+    assert 'path="fallback",reason="prefill_failed"} 1.0' in metrics

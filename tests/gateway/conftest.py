@@ -19,6 +19,7 @@ from core.messages import WorkerRole
 from gateway.app import GatewayConfig, create_app
 from gateway.pipeline import ServedModel
 from gateway.upstream import UpstreamConfig
+from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
 from workers.pool import PoolConfig, WorkerPool
 
@@ -64,6 +65,9 @@ async def fake_stack() -> AsyncIterator[FakeStack]:
     config = GatewayConfig(
         upstream=UpstreamConfig(connect_timeout_s=1, prefill_timeout_s=5, decode_idle_timeout_s=2),
         sse_ping_interval_s=0.2,
+        decider=DeciderConfig(
+            min_prompt_tokens=0
+        ),  # split everything; the decider has its own tests
     )
     app = create_app(config, pools[0], pools[1], [ServedModel(MODEL, 256, 0)])
     port = _free_port()

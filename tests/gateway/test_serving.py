@@ -140,8 +140,49 @@ async def test_no_healthy_decode_worker_is_503_with_retry_after(fake_stack: Fake
     assert ready.status_code == 503
 
 
+async def test_prefill_failure_falls_back_to_colocated(fake_stack: FakeStack) -> None:
+    fake_stack.prefill.fail_status = 500
+    completion = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3
+    )
+    assert completion.choices[0].finish_reason == "length"
+    [leg2] = fake_stack.decode.stats.requests
+    assert "kv_transfer_params" not in leg2["body"], "no junk handle after a failed prefill"
+    assert fake_stack.decode.stats.num_local_prefills == 1
+    metrics = await _metrics(fake_stack)
+    assert (
+        'tandem_requests_total{outcome="finished",path="fallback",reason="prefill_failed"} 1.0'
+        in metrics
+    )
+
+
+async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack) -> None:
+    await fake_stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, n=2
+    )
+    metrics = await _metrics(fake_stack)
+    assert (
+        'tandem_requests_total{outcome="finished",path="disaggregated",reason="long_prompt"} 1.0'
+        in metrics
+    )
+    assert (
+        'tandem_requests_total{outcome="finished",path="colocated",reason="n_gt_1"} 1.0' in metrics
+    )
+    assert 'tandem_tokens_total{kind="completion"} 6.0' in metrics
+    assert 'tandem_worker_healthy{role="decode",worker="decode-ext-0"} 1.0' in metrics
+    assert 'tandem_time_to_first_token_seconds_count{path="disaggregated"} 1.0' in metrics
+
+
+async def _metrics(fake_stack: FakeStack) -> str:
+    async with httpx.AsyncClient() as http:
+        response = await http.get(f"{fake_stack.base_url}/metrics")
+    assert response.status_code == 200
+    return response.text
+
+
 async def test_engine_failure_is_502_with_a_string_code(fake_stack: FakeStack) -> None:
-    fake_stack.prefill.fail_status = 500  # vLLM's body has an integer code
+    fake_stack.decode.fail_status = 500  # vLLM's body has an integer code
     with pytest.raises(openai.InternalServerError) as caught:
         await fake_stack.client.chat.completions.create(model=MODEL, messages=QUESTION, stream=True)
     assert caught.value.status_code == 502
@@ -229,6 +270,16 @@ async def test_unknown_fields_pass_through_to_the_engine(fake_stack: FakeStack) 
     )
     [leg2] = fake_stack.decode.stats.requests
     assert leg2["body"]["top_k"] == 5
+
+
+async def test_client_cannot_inject_kv_transfer_params(fake_stack: FakeStack) -> None:
+    smuggled = {"do_remote_prefill": True, "remote_engine_id": "someone-else"}
+    await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=2, n=2,  # colocated path
+        extra_body={"kv_transfer_params": smuggled},
+    )  # fmt: skip
+    [request] = fake_stack.decode.stats.requests
+    assert "kv_transfer_params" not in request["body"]
 
 
 async def test_concurrent_streams_are_balanced_and_complete(fake_stack: FakeStack) -> None:

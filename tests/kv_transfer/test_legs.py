@@ -5,7 +5,7 @@ import pytest
 from core.errors import EngineError
 from core.messages import WorkerRole
 from kv_transfer.connector import ConnectorConfig, KvBufferDevice, kv_transfer_config
-from kv_transfer.legs import decode_leg_body, prefill_leg_body, transfer_handle
+from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body, transfer_handle
 
 HANDLE = {
     "do_remote_prefill": True,
@@ -44,6 +44,11 @@ def test_decode_leg_carries_the_handle_and_the_original_request() -> None:
     assert leg["min_tokens"] == 3 and leg["stream"] is True
 
 
+def test_colocated_body_drops_client_supplied_kv_params() -> None:
+    body = {"model": "m", "kv_transfer_params": {"do_remote_prefill": True}, "top_k": 2}
+    assert colocated_body(body) == {"model": "m", "top_k": 2}
+
+
 def test_handle_is_checked_before_it_is_forwarded() -> None:
     assert transfer_handle({"kv_transfer_params": HANDLE}, "p0") is HANDLE
     with pytest.raises(EngineError, match="kv_producer"):
@@ -58,6 +63,7 @@ def test_connector_config_per_role() -> None:
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
     }
     gpu = ConnectorConfig(buffer_device=KvBufferDevice.CUDA)
     assert kv_transfer_config(WorkerRole.DECODE, gpu)["kv_role"] == "kv_consumer"

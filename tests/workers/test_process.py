@@ -119,6 +119,7 @@ def test_prefill_and_decode_command_lines() -> None:
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
     }
     assert (
         json.loads(worker_argv(decode_1)[worker_argv(decode_1).index("--kv-transfer-config") + 1])[

@@ -1,0 +1,91 @@
+"""The gateway's Prometheus metrics: how requests were served and what the workers look like.
+
+One registry per app (not prometheus_client's global one), so several gateways can live in one
+process (tests) without colliding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from core.request import Request
+from workers.registry import WorkerSource
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    """Per-request counters and latencies, plus the workers' live state at scrape time."""
+
+    def __init__(self, pools: Sequence[WorkerSource]) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "tandem_requests",
+            "Requests by serving path, why it was chosen, and how they ended.",
+            ("path", "reason", "outcome"),
+            registry=self.registry,
+        )
+        self._tokens = Counter(
+            "tandem_tokens",
+            "Tokens the engines reported, by kind (prompt or completion).",
+            ("kind",),
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "From request received to the first output reaching the client.",
+            ("path",),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            "tandem_request_duration_seconds",
+            "From request received to its end, whatever the outcome.",
+            ("path",),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(_WorkerCollector(pools))
+
+    def observe_end(self, request: Request) -> None:
+        """Record a request that reached a terminal phase (call exactly once per request)."""
+        path = str(request.path or "none")
+        outcome = request.phase.name.lower()
+        self._requests.labels(path, request.path_reason or "none", outcome).inc()
+        if request.ttft_s is not None:
+            self._ttft.labels(path).observe(request.ttft_s)
+        if request.e2e_s is not None:
+            self._e2e.labels(path).observe(request.e2e_s)
+        if request.usage is not None:
+            self._tokens.labels("prompt").inc(request.usage.prompt_tokens)
+            self._tokens.labels("completion").inc(request.usage.completion_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, pools: Sequence[WorkerSource]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(
+            "tandem_worker_healthy", "1 if the worker's last health check passed.",
+            labels=("worker", "role"),
+        )  # fmt: skip
+        outstanding = GaugeMetricFamily(
+            "tandem_worker_outstanding_requests", "Requests the gateway has in flight on it.",
+            labels=("worker", "role"),
+        )  # fmt: skip
+        for pool in self._pools:
+            for worker in pool.workers:
+                labels = (worker.name, str(worker.role))
+                healthy.add_metric(labels, 1.0 if worker.healthy else 0.0)
+                outstanding.add_metric(labels, float(worker.num_outstanding))
+        yield healthy
+        yield outstanding
