@@ -28,6 +28,11 @@ class ConnectorConfig:
     """What a decode worker does when it cannot read the KV (the prefill worker died or its
     lease expired): ``recompute`` prefills locally, so the client still gets its answer;
     vLLM's default ``fail`` answers HTTP 500."""
+    kv_lease_s: int = 10
+    """How long a prefill worker keeps a request's KV for a decode worker that has not read it
+    yet. Decode renews the lease while it reads (every lease/6), so this bounds only abandoned
+    KV: a client gone between the legs frees the prefill worker's blocks after this long.
+    vLLM's default is 30 s; both roles must agree."""
 
 
 _ROLE_TO_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
@@ -40,6 +45,7 @@ def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, A
         "kv_role": _ROLE_TO_KV_ROLE[role],
         "kv_buffer_device": config.buffer_device.value,
         "kv_load_failure_policy": config.load_failure_policy,
+        "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s},
     }
 
 

@@ -34,8 +34,9 @@ def test_decode_worker_receives_kv_instead_of_recomputing(
     client: openai.OpenAI, live_stack: LiveStack
 ) -> None:
     # A prompt no worker has seen, so no prefix cache can explain the numbers.
-    # Long enough to pass the decider's default threshold (256 estimated tokens).
-    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(160))
+    # Long enough to pass the decider's default threshold (256 estimated tokens), short enough
+    # for the test stack's 1024-token context; the leading id defeats every prefix cache.
+    words = uuid.uuid4().hex + " " + "the quick brown fox jumps over the lazy dog " * 40
     before_decode = prompt_tokens_by_source(live_stack.decode_url)
     before_prefill = prompt_tokens_by_source(live_stack.prefill_url)
 

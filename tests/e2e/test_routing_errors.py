@@ -108,16 +108,29 @@ def test_engine_error_is_502_with_a_string_code(live_stack: LiveStack) -> None:
     assert "decode-ext-0" in caught.value.message
 
 
-def test_failed_prefill_leg_falls_back_to_colocated(live_stack: LiveStack) -> None:
-    # The decode worker (a kv_consumer) wired as the prefill pool fails the prefill leg with
-    # vLLM's 500: the request still gets its answer, served colocated, and is counted so.
-    long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
-    with gateway_over(live_stack.model, live_stack.decode_url, live_stack.decode_url) as client:
-        completion = client.chat.completions.create(
-            model=live_stack.model,
-            messages=[{"role": "user", "content": long_prompt}],
-            max_tokens=4,
-        )
-        metrics = httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+LONG_PROMPT = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
+
+
+def _long_request_metrics(client: openai.OpenAI, model: str) -> str:
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=4
+    )
     assert completion.choices[0].message.content
+    return httpx.get(str(client.base_url).replace("/v1/", "/metrics")).text
+
+
+def test_prefill_leg_without_a_handle_falls_back_to_colocated(live_stack: LiveStack) -> None:
+    # A "prefill worker" that answers the leg but is no KV producer (here: the session's own
+    # gateway, which never returns kv_transfer_params): the answer still comes, colocated.
+    with gateway_over(live_stack.model, live_stack.base_url, live_stack.decode_url) as client:
+        metrics = _long_request_metrics(client, live_stack.model)
     assert 'path="fallback",reason="prefill_failed"} 1.0' in metrics
+
+
+def test_dead_prefill_pool_falls_back_to_colocated(live_stack: LiveStack) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{held.getsockname()[1]}"
+        with gateway_over(live_stack.model, dead, live_stack.decode_url) as client:
+            metrics = _long_request_metrics(client, live_stack.model)
+    assert 'path="fallback",reason="no_healthy_prefill"} 1.0' in metrics

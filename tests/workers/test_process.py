@@ -120,6 +120,7 @@ def test_prefill_and_decode_command_lines() -> None:
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_lease_duration": 10},
     }
     assert (
         json.loads(worker_argv(decode_1)[worker_argv(decode_1).index("--kv-transfer-config") + 1])[
