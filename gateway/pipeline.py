@@ -24,7 +24,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient
 from kv_transfer.decider import DeciderConfig, Reason, decide
-from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body, transfer_handle
+from kv_transfer.handle import TransferHandle
+from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
 from workers.registry import Worker, WorkerSource
 
 log = logging.getLogger("tandem.requests")
@@ -144,7 +145,7 @@ class ServingPipeline:
                     prefill_worker, endpoint, prefill_leg_body(body), request.request_id,
                     prefill=True,
                 )  # fmt: skip
-            handle = transfer_handle(prefilled, prefill_worker.name)
+            handle = TransferHandle.from_prefill_response(prefilled, prefill_worker.name)
         except EngineError as exc:
             log.warning(
                 "request %s: prefill on %s failed (%s); serving it colocated on %s",

@@ -5,7 +5,8 @@ import pytest
 from core.errors import EngineError
 from core.messages import WorkerRole
 from kv_transfer.connector import ConnectorConfig, KvBufferDevice, kv_transfer_config
-from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body, transfer_handle
+from kv_transfer.handle import TransferHandle
+from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
 
 HANDLE = {
     "do_remote_prefill": True,
@@ -37,10 +38,12 @@ def test_prefill_leg_asks_for_one_unstreamed_token_and_keeps_kv() -> None:
     assert body["stream"] is True and "kv_transfer_params" not in body, "input left untouched"
 
 
-def test_decode_leg_carries_the_handle_and_the_original_request() -> None:
+def test_decode_leg_carries_the_workers_params_unchanged() -> None:
     body = {"model": "m", "min_tokens": 3, "stream": True}
-    leg = decode_leg_body(body, HANDLE)
-    assert leg["kv_transfer_params"] is HANDLE
+    extra = {**HANDLE, "tp_size": 1, "transfer_mode": "pull"}  # fields Tandem does not parse
+    handle = TransferHandle.from_prefill_response({"kv_transfer_params": extra}, "p0")
+    leg = decode_leg_body(body, handle)
+    assert leg["kv_transfer_params"] == extra
     assert leg["min_tokens"] == 3 and leg["stream"] is True
 
 
@@ -49,12 +52,33 @@ def test_colocated_body_drops_client_supplied_kv_params() -> None:
     assert colocated_body(body) == {"model": "m", "top_k": 2}
 
 
-def test_handle_is_checked_before_it_is_forwarded() -> None:
-    assert transfer_handle({"kv_transfer_params": HANDLE}, "p0") is HANDLE
-    with pytest.raises(EngineError, match="kv_producer"):
-        transfer_handle({"kv_transfer_params": None}, "p0")
-    with pytest.raises(EngineError, match="remote_block_ids"):
-        transfer_handle({"kv_transfer_params": {**HANDLE, "remote_block_ids": None}}, "p0")
+def test_handle_is_parsed() -> None:
+    handle = TransferHandle.from_prefill_response(
+        {"kv_transfer_params": {**HANDLE, "remote_num_tokens": 40}}, "p0"
+    )
+    assert (handle.engine_id, handle.host, handle.port) == ("e1", "localhost", 5600)
+    assert handle.block_ids == ((1, 2),)
+    assert handle.num_blocks == 2
+    assert handle.num_tokens == 40
+    flat = TransferHandle.from_prefill_response(
+        {"kv_transfer_params": {**HANDLE, "remote_block_ids": [4, 5, 6]}}, "p0"
+    )
+    assert flat.block_ids == ((4, 5, 6),)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (None, "kv_producer"),
+        ({**HANDLE, "remote_block_ids": None}, "remote_block_ids"),
+        ({**HANDLE, "remote_port": "not-a-port"}, "malformed"),
+        ({**HANDLE, "remote_block_ids": [["x"]]}, "malformed"),
+        ({**HANDLE, "remote_block_ids": "1,2"}, "malformed"),
+    ],
+)
+def test_malformed_handles_are_refused(params: object, match: str) -> None:
+    with pytest.raises(EngineError, match=match):
+        TransferHandle.from_prefill_response({"kv_transfer_params": params}, "p0")
 
 
 def test_connector_config_per_role() -> None:
