@@ -12,23 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from core.errors import EngineError, ModelNotFoundError, NoHealthyWorkerError, TandemError
+from core.errors import (
+    EngineError,
+    EngineTimeoutError,
+    ModelNotFoundError,
+    NoHealthyWorkerError,
+    TandemError,
+)
 from core.messages import Endpoint, ServingPath, Usage
 from core.request import Request, RequestPhase
 from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayStream, log_request_end, response_id
-from gateway.upstream import EngineClient
+from gateway.upstream import EngineClient, EngineStream
 from kv_transfer.decider import DeciderConfig, Reason, decide
 from kv_transfer.handle import TransferHandle
 from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
-from workers.registry import Worker, WorkerSource
+from workers.registry import Worker, WorkerSource, least_loaded
 
 log = logging.getLogger("tandem.requests")
+
+T = TypeVar("T")
 
 # How long a client is told to wait when no worker is healthy: about one health-poll round
 # plus a worker restart's first backoff step.
@@ -77,14 +85,19 @@ class ServingPipeline:
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
     ) -> dict[str, Any]:
         """Serve a non-streaming request and return the client's JSON body."""
-        with self._ended_on_error(request):
-            decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
-            decode_body["stream"] = False
-            request.advance(RequestPhase.DECODING)
-            with decode_worker.lease():
-                response = await self._engine.post_json(
-                    decode_worker, endpoint, decode_body, request.request_id, prefill=False
+
+        async def call(worker: Worker, leg: dict[str, Any]) -> dict[str, Any]:
+            leg["stream"] = False
+            with worker.lease():
+                return await self._engine.post_json(
+                    worker, endpoint, leg, request.request_id, prefill=False
                 )
+
+        with self._ended_on_error(request):
+            # A timed-out non-streaming answer is not retried: that would double the wait.
+            _, response = await self._decode_with_retry(
+                endpoint, body, request, call, retry_timeouts=False
+            )
         response.pop("kv_transfer_params", None)
         response["id"] = response_id(endpoint, request)
         response["created"] = request.created
@@ -102,19 +115,55 @@ class ServingPipeline:
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
         """
+
+        async def call(worker: Worker, leg: dict[str, Any]) -> EngineStream:
+            leg["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            with worker.lease():
+                return await self._engine.open_stream(worker, endpoint, leg, request.request_id)
+
         with self._ended_on_error(request):
-            decode_worker, decode_body = await self._prepare_decode(endpoint, body, request)
-            stream_options = dict(body.get("stream_options") or {})
-            stream_options["include_usage"] = True
-            decode_body["stream_options"] = stream_options
-            with decode_worker.lease():
-                upstream = await self._engine.open_stream(
-                    decode_worker, endpoint, decode_body, request.request_id
-                )
+            # A first byte that never comes is a stalled KV transfer: re-run colocated.
+            decode_worker, upstream = await self._decode_with_retry(
+                endpoint, body, request, call, retry_timeouts=True
+            )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return RelayStream(
             upstream, decode_worker, request, endpoint, include_usage, self._observe_end
         )
+
+    async def _decode_with_retry(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: Request,
+        call: Callable[[Worker, dict[str, Any]], Awaitable[T]],
+        *,
+        retry_timeouts: bool,
+    ) -> tuple[Worker, T]:
+        """Run the decode leg; if it fails before any byte reached the client, run the request
+        once more, colocated, on another decode worker when there is one.
+
+        The first attempt may have been a KV transfer that could not complete (prefill worker
+        gone, stalled transfer) or a decode worker that just died; nothing was sent to the
+        client yet, so a retry cannot duplicate output.
+        """
+        decode_worker, leg = await self._prepare_decode(endpoint, body, request)
+        if not request.stream:
+            request.advance(RequestPhase.DECODING)
+        try:
+            return decode_worker, await call(decode_worker, leg)
+        except EngineError as exc:
+            if isinstance(exc, EngineTimeoutError) and not retry_timeouts:
+                raise
+            retry_worker = _pick_other(self._decode, decode_worker) or decode_worker
+            log.warning(
+                "request %s: decode on %s failed before the first byte (%s); re-running it "
+                "colocated on %s", request.request_id, decode_worker.name, exc.message,
+                retry_worker.name,
+            )  # fmt: skip
+        request.path, request.path_reason = ServingPath.FALLBACK, Reason.DECODE_FAILED
+        request.decode_worker = retry_worker.name
+        return retry_worker, await call(retry_worker, colocated_body(body))
 
     async def _prepare_decode(
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
@@ -191,6 +240,11 @@ def _pick(pool: WorkerSource, role: str) -> Worker:
             retry_after_s=_NO_WORKER_RETRY_AFTER_S,
         )
     return worker
+
+
+def _pick_other(pool: WorkerSource, failed: Worker) -> Worker | None:
+    """The least-loaded healthy worker other than ``failed``, if any."""
+    return least_loaded(worker for worker in pool.workers if worker is not failed)
 
 
 def _usage(response: dict[str, Any]) -> Usage | None:

@@ -67,6 +67,9 @@ class TandemSettings(BaseSettings):
     disaggregate_min_prompt_tokens: int = Field(256, ge=0)
     """Prompts estimated shorter than this run colocated on a decode worker (0: always split).
     Splitting adds a hop and a KV transfer to time to first token; short prompts gain nothing."""
+    decode_first_byte_timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for a decode stream's first token (KV transfer included); past it the
+    request is re-run colocated on a decode worker."""
     sse_ping_interval_s: float = Field(15.0, gt=0)
     """Heartbeat comment interval on client streams."""
     health_interval_s: float = Field(1.0, gt=0)

@@ -157,6 +157,7 @@ class Stack:
                 connect_timeout_s=settings.connect_timeout_s,
                 prefill_timeout_s=settings.prefill_timeout_s,
                 decode_idle_timeout_s=settings.decode_idle_timeout_s,
+                first_byte_timeout_s=settings.decode_first_byte_timeout_s,
             ),
             sse_ping_interval_s=settings.sse_ping_interval_s,
             decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),

@@ -8,6 +8,7 @@ error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,9 @@ class UpstreamConfig:
     """The whole prefill leg (one token)."""
     decode_idle_timeout_s: float = 120.0
     """Longest silence from a decode worker (also bounds a whole non-streaming answer)."""
+    first_byte_timeout_s: float = 30.0
+    """Longest wait for a decode stream's first event, which vLLM sends with the first token,
+    so after the KV transfer: past it the transfer counts as stalled."""
 
 
 class EngineStream:
@@ -46,6 +50,19 @@ class EngineStream:
     def __init__(self, response: aiohttp.ClientResponse, worker: Worker) -> None:
         self._response = response
         self._worker = worker
+        self._payloads = self._read()
+        self._first: bytes | None = None
+
+    async def read_first(self, timeout_s: float) -> None:
+        """Wait for the first event. vLLM answers a stream's headers at once but sends its first
+        event with the first token, i.e. after the KV transfer: a stall shows here."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                self._first = await anext(self._payloads, None)
+        except TimeoutError as exc:
+            raise EngineTimeoutError(
+                f"decode worker {self._worker.name} sent no first token in {timeout_s:.0f} s"
+            ) from exc
 
     async def events(self) -> AsyncIterator[bytes]:
         """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``.
@@ -53,6 +70,12 @@ class EngineStream:
         Raises ``EngineError`` if the worker ends the stream without ``[DONE]`` (it died or
         dropped the connection) and ``EngineTimeoutError`` if it goes silent.
         """
+        if self._first is not None:
+            yield self._first
+        async for payload in self._payloads:
+            yield payload
+
+    async def _read(self) -> AsyncIterator[bytes]:
         try:
             async for raw_line in self._response.content:
                 line = raw_line.rstrip(b"\r\n")
@@ -115,10 +138,10 @@ class EngineClient:
     async def open_stream(
         self, worker: Worker, path: str, body: dict[str, Any], request_id: str
     ) -> EngineStream:
-        """POST a streaming request; return once the worker accepted it (status 200).
+        """POST a streaming request; return once the worker sent its first event.
 
-        Errors before the first byte surface here, while the gateway can still answer with a
-        proper HTTP status instead of an error event inside a 200 stream.
+        Errors before the first token surface here, while the gateway can still answer with a
+        proper HTTP status (or retry) instead of an error event inside a 200 stream.
         """
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -139,7 +162,13 @@ class EngineClient:
             finally:
                 response.release()
             raise engine_status_error(worker, path, response.status, data)
-        return EngineStream(response, worker)
+        stream = EngineStream(response, worker)
+        try:
+            await stream.read_first(self._config.first_byte_timeout_s)
+        except BaseException:
+            stream.close()  # vLLM aborts the stalled request when its client goes away
+            raise
+        return stream
 
     def _post(
         self,

@@ -27,6 +27,7 @@ class Reason(enum.StrEnum):
     NO_PREFILL_POOL = "no_prefill_pool"
     NO_HEALTHY_PREFILL = "no_healthy_prefill"
     PREFILL_FAILED = "prefill_failed"
+    DECODE_FAILED = "decode_failed"  # the decode leg failed before its first byte; re-run
 
 
 @dataclass(frozen=True, slots=True)

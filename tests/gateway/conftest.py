@@ -9,6 +9,7 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import openai
@@ -34,6 +35,7 @@ class FakeStack:
     prefill_pool: WorkerPool
     decode_pool: WorkerPool
     client: openai.AsyncOpenAI
+    decodes: list[FakeEngine]
 
 
 def _free_port() -> int:
@@ -51,19 +53,41 @@ async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture
-async def fake_stack() -> AsyncIterator[FakeStack]:
+@asynccontextmanager
+async def make_fake_stack(num_decode: int = 1, **upstream: float) -> AsyncIterator[FakeStack]:
+    """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
+
+    ``decode`` is the first decode engine; all of them are in ``decodes``.
+    """
     prefill = await FakeEngine(MODEL, role="prefill", max_model_len=256).start()
-    decode = await FakeEngine(MODEL, role="decode", max_model_len=256).start()
+    decodes = [
+        await FakeEngine(MODEL, role="decode", max_model_len=256).start() for _ in range(num_decode)
+    ]
     pools = [
-        WorkerPool(PoolConfig(role, external_urls=(engine.base_url,), health_interval_s=0.05))
-        for role, engine in ((WorkerRole.PREFILL, prefill), (WorkerRole.DECODE, decode))
+        WorkerPool(
+            PoolConfig(
+                WorkerRole.PREFILL, external_urls=(prefill.base_url,), health_interval_s=0.05
+            )
+        ),
+        WorkerPool(
+            PoolConfig(
+                WorkerRole.DECODE,
+                external_urls=tuple(engine.base_url for engine in decodes),
+                health_interval_s=0.05,
+            )
+        ),
     ]
     for pool in pools:
         await pool.start()
         await pool.wait_ready(timeout_s=5)
+    limits = {
+        "connect_timeout_s": 1,
+        "prefill_timeout_s": 5,
+        "decode_idle_timeout_s": 2,
+        **upstream,
+    }
     config = GatewayConfig(
-        upstream=UpstreamConfig(connect_timeout_s=1, prefill_timeout_s=5, decode_idle_timeout_s=2),
+        upstream=UpstreamConfig(**limits),
         sse_ping_interval_s=0.2,
         decider=DeciderConfig(
             min_prompt_tokens=0
@@ -79,12 +103,18 @@ async def fake_stack() -> AsyncIterator[FakeStack]:
     base_url = f"http://127.0.0.1:{port}"
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     try:
-        yield FakeStack(base_url, prefill, decode, pools[0], pools[1], client)
+        yield FakeStack(base_url, prefill, decodes[0], pools[0], pools[1], client, decodes)
     finally:
         await client.close()
         server.should_exit = True
         await serving
         for pool in pools:
             await pool.aclose()
-        await prefill.aclose()
-        await decode.aclose()
+        for engine in (prefill, *decodes):
+            await engine.aclose()
+
+
+@pytest.fixture
+async def fake_stack() -> AsyncIterator[FakeStack]:
+    async with make_fake_stack() as stack:
+        yield stack

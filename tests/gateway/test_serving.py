@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import MODEL, FakeStack, wait_until
+from tests.gateway.conftest import MODEL, FakeStack, make_fake_stack, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -294,3 +294,41 @@ async def test_concurrent_streams_are_balanced_and_complete(fake_stack: FakeStac
     counts = await asyncio.gather(*(one() for _ in range(20)))
     assert counts == [5] * 20
     assert fake_stack.decode_pool.workers[0].num_outstanding == 0
+
+
+async def test_decode_failure_before_first_byte_is_rerun_colocated(fake_stack: FakeStack) -> None:
+    fake_stack.decode.fail_status, fake_stack.decode.fail_times = 500, 1
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    first, retry = fake_stack.decode.stats.requests
+    assert "kv_transfer_params" in first["body"]
+    assert "kv_transfer_params" not in retry["body"], "the re-run is colocated"
+    assert retry["body"]["stream_options"] == {"include_usage": True}
+    assert 'path="fallback",reason="decode_failed"} 1.0' in await _metrics(fake_stack)
+
+
+async def test_stalled_first_byte_is_rerun_on_another_decode_worker() -> None:
+    async with make_fake_stack(num_decode=2, first_byte_timeout_s=0.5) as stack:
+        stalled, healthy = stack.decodes
+        stalled.first_token_delay_s = 30
+        stream = await stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=3, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text
+        assert len(stalled.stats.requests) == 1
+        [rerun] = healthy.stats.requests
+        assert "kv_transfer_params" not in rerun["body"]
+        await wait_until(lambda: stalled.stats.num_aborted == 1)  # the stalled leg was dropped
+
+
+async def test_non_streaming_timeout_is_not_retried() -> None:
+    async with make_fake_stack(decode_idle_timeout_s=0.5) as stack:
+        stack.decode.first_token_delay_s = 30
+        with pytest.raises(openai.APIStatusError) as caught:
+            await stack.client.chat.completions.create(model=MODEL, messages=QUESTION)
+        assert caught.value.status_code == 504
+        assert len(stack.decode.stats.requests) == 1
