@@ -29,10 +29,11 @@ from core.request import Request, RequestPhase
 from gateway.metrics import GatewayMetrics
 from gateway.relay import RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient, EngineStream
+from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig, Reason, decide
 from kv_transfer.handle import TransferHandle
 from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
-from workers.registry import Worker, WorkerSource, least_loaded
+from workers.registry import Worker, WorkerSource, least_loaded, pick_by_affinity
 
 log = logging.getLogger("tandem.requests")
 
@@ -176,7 +177,11 @@ class ServingPipeline:
         """
         decode_worker = _pick(self._decode, "decode")
         request.decode_worker = decode_worker.name
-        prefill_worker = self._prefill.pick()
+        prefill_worker = pick_by_affinity(
+            self._prefill.workers,
+            prefix_key(body, self._decider.affinity_prefix_chars),
+            self._decider.affinity_max_extra_load,
+        )
         decision = decide(
             body,
             self._decider,

@@ -36,6 +36,13 @@ class DeciderConfig:
 
     min_prompt_tokens: int = 256
     """Estimated prompt tokens below which a request runs colocated (0: always split)."""
+    affinity_prefix_chars: int = 256
+    """Prompt characters that decide which prefill worker a request prefers (prefix cache).
+    Short on purpose: requests sharing only their start (a system prompt) still meet, and
+    ~64 tokens are already four KV blocks a cache can skip."""
+    affinity_max_extra_load: int = 2
+    """How many more in-flight requests than the least-loaded prefill worker the preferred one
+    may have before load wins over cache affinity."""
 
 
 @dataclass(frozen=True, slots=True)

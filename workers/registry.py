@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,3 +48,26 @@ class WorkerSource(Protocol):
     def workers(self) -> Sequence[Worker]: ...
 
     def pick(self) -> Worker | None: ...
+
+
+def pick_by_affinity(workers: Iterable[Worker], key: str, max_extra_load: int) -> Worker | None:
+    """The healthy worker that ``key`` hashes to, unless it is busier than the least-loaded one
+    by more than ``max_extra_load`` requests; then the least-loaded one.
+
+    Rendezvous hashing: each key prefers one worker, and when workers come or go only the keys
+    of those workers move, so requests sharing a prompt prefix keep finding the worker whose
+    prefix cache already holds it.
+    """
+    healthy = [worker for worker in workers if worker.healthy]
+    least = least_loaded(healthy)
+    if least is None:
+        return None
+    preferred = max(healthy, key=lambda worker: _rendezvous_score(key, worker.name))
+    if preferred.num_outstanding - least.num_outstanding > max_extra_load:
+        return least
+    return preferred
+
+
+def _rendezvous_score(key: str, name: str) -> int:
+    digest = hashlib.blake2b(f"{key}\x00{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

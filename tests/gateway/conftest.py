@@ -36,6 +36,7 @@ class FakeStack:
     decode_pool: WorkerPool
     client: openai.AsyncOpenAI
     decodes: list[FakeEngine]
+    prefills: list[FakeEngine]
 
 
 def _free_port() -> int:
@@ -54,19 +55,26 @@ async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
 
 
 @asynccontextmanager
-async def make_fake_stack(num_decode: int = 1, **upstream: float) -> AsyncIterator[FakeStack]:
+async def make_fake_stack(
+    num_decode: int = 1, num_prefill: int = 1, **upstream: float
+) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
 
-    ``decode`` is the first decode engine; all of them are in ``decodes``.
+    ``prefill``/``decode`` are the first engines of each role; all are in ``prefills``/``decodes``.
     """
-    prefill = await FakeEngine(MODEL, role="prefill", max_model_len=256).start()
+    prefills = [
+        await FakeEngine(MODEL, role="prefill", max_model_len=256).start()
+        for _ in range(num_prefill)
+    ]
     decodes = [
         await FakeEngine(MODEL, role="decode", max_model_len=256).start() for _ in range(num_decode)
     ]
     pools = [
         WorkerPool(
             PoolConfig(
-                WorkerRole.PREFILL, external_urls=(prefill.base_url,), health_interval_s=0.05
+                WorkerRole.PREFILL,
+                external_urls=tuple(engine.base_url for engine in prefills),
+                health_interval_s=0.05,
             )
         ),
         WorkerPool(
@@ -103,14 +111,16 @@ async def make_fake_stack(num_decode: int = 1, **upstream: float) -> AsyncIterat
     base_url = f"http://127.0.0.1:{port}"
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     try:
-        yield FakeStack(base_url, prefill, decodes[0], pools[0], pools[1], client, decodes)
+        yield FakeStack(
+            base_url, prefills[0], decodes[0], pools[0], pools[1], client, decodes, prefills
+        )
     finally:
         await client.close()
         server.should_exit = True
         await serving
         for pool in pools:
             await pool.aclose()
-        for engine in (prefill, *decodes):
+        for engine in (*prefills, *decodes):
             await engine.aclose()
 
 

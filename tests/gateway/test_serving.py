@@ -332,3 +332,26 @@ async def test_non_streaming_timeout_is_not_retried() -> None:
             await stack.client.chat.completions.create(model=MODEL, messages=QUESTION)
         assert caught.value.status_code == 504
         assert len(stack.decode.stats.requests) == 1
+
+
+async def test_shared_prefixes_stick_to_one_prefill_worker() -> None:
+    async with make_fake_stack(num_prefill=2) as stack:
+        system = {"role": "system", "content": "You are a pirate. " * 20}
+        for i in range(6):
+            await stack.client.chat.completions.create(
+                model=MODEL,
+                messages=[system, {"role": "user", "content": f"question {i}"}],
+                max_tokens=1,
+            )
+        counts = sorted(len(engine.stats.requests) for engine in stack.prefills)
+        assert counts == [0, 6], "one system prompt, one prefill worker"
+
+        for engine in stack.prefills:
+            engine.reset_stats()
+        for i in range(20):
+            await stack.client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"unrelated prompt number {i}"}],
+                max_tokens=1,
+            )
+        assert all(engine.stats.requests for engine in stack.prefills), "prefixes spread"
