@@ -78,9 +78,10 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         raise
     workers = {w["role"]: w["url"] for w in ready["workers"]}
     model = httpx.get(f"{gateway}/v1/models").json()["data"][0]["id"]
-    descendants = psutil.Process(process.pid).children(recursive=True)
     yield LiveStack(gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN)
 
+    # Collected now, not at boot: workers restarted during the session must not linger either.
+    descendants = psutil.Process(process.pid).children(recursive=True)
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=90)
