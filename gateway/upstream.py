@@ -129,7 +129,8 @@ class EngineClient:
                     raise engine_status_error(worker, path, response.status, data)
         except TimeoutError as exc:
             raise EngineTimeoutError(
-                f"worker {worker.name} did not answer in {limit:.0f} s"
+                f"worker {worker.name} did not answer in time (limit {limit:.0f} s, "
+                f"connect {self._config.connect_timeout_s:.0f} s)"
             ) from exc
         except aiohttp.ClientError as exc:
             raise EngineError(f"worker {worker.name} is unreachable: {exc}") from exc

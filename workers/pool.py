@@ -49,6 +49,9 @@ class PoolConfig:
     """Seconds between ``GET /health`` rounds."""
     health_timeout_s: float = 2.0
     """A health check slower than this counts as a failure."""
+    unhealthy_after_failures: int = 3
+    """Failed checks in a row (slow or erroring) before a worker leaves rotation; a refused
+    connection counts at once. A CPU-starved vLLM server can miss one check and be fine."""
     restart_backoff_initial_s: float = 1.0
     """Delay before restarting a worker that exited; doubles with each further exit."""
     restart_backoff_max_s: float = 60.0
@@ -71,6 +74,11 @@ class PoolConfig:
         names = [spec.name for spec in self.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"PoolConfig.specs: worker names must be unique, got {names}")
+        if self.unhealthy_after_failures < 1:
+            raise ValueError(
+                "PoolConfig.unhealthy_after_failures must be >= 1, "
+                f"got {self.unhealthy_after_failures}"
+            )
         for name in ("health_interval_s", "health_timeout_s", "restart_backoff_initial_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PoolConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -105,6 +113,7 @@ class _Member:
     num_restarts: int = 0
     last_exit_code: int | None = None
     last_health_error: str = "not checked yet"
+    num_health_failures: int = 0  # consecutive
 
 
 class WorkerPool:
@@ -267,25 +276,36 @@ class WorkerPool:
         if m.process is not None and not m.process.running:
             return  # its supervisor already marked it unhealthy and will restart it
         assert self._session is not None  # set in start(), before this task exists
+        refused = False
         try:
             async with self._session.get(f"{m.worker.base_url}/health") as resp:
                 error = None if resp.status == 200 else f"HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
         if m.process is not None and not m.process.running:
             return  # it died while we asked; a late 200 must not mark it healthy
-        self._set_health(m, error)
+        self._set_health(m, error, definitive=refused)
 
-    def _set_health(self, m: _Member, error: str | None) -> None:
+    def _set_health(self, m: _Member, error: str | None, *, definitive: bool = False) -> None:
         worker = m.worker
-        if error is None and not worker.healthy:
-            if m.first_healthy_at is None:
-                m.first_healthy_at = time.monotonic()
-            logger.info("%s is healthy (%s)", worker.name, worker.base_url)
-        elif error is not None and worker.healthy:
-            logger.warning("%s is unhealthy: %s", worker.name, error)
-        worker.healthy = error is None
         m.last_health_error = error or ""
+        if error is None:
+            m.num_health_failures = 0
+            if not worker.healthy:
+                if m.first_healthy_at is None:
+                    m.first_healthy_at = time.monotonic()
+                logger.info("%s is healthy (%s)", worker.name, worker.base_url)
+            worker.healthy = True
+            return
+        m.num_health_failures += 1
+        failing = definitive or m.num_health_failures >= self.config.unhealthy_after_failures
+        if worker.healthy and failing:
+            logger.warning(
+                "%s is unhealthy: %s (%d failed checks in a row)",
+                worker.name, error, m.num_health_failures,
+            )  # fmt: skip
+            worker.healthy = False
 
     async def _supervise(self, m: _Member, process: WorkerProcess) -> None:
         cfg = self.config

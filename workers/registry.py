@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from core.messages import WorkerRole
@@ -20,7 +20,6 @@ class Worker:
     base_url: str  # e.g. http://127.0.0.1:8100, no trailing slash
     healthy: bool = False
     num_outstanding: int = 0  # requests the gateway has in flight on this worker
-    num_consecutive_failures: int = field(default=0)
 
     @contextmanager
     def lease(self) -> Iterator[Worker]:

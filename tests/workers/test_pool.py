@@ -233,3 +233,27 @@ async def test_launch_failure_in_start_raises_and_stops_the_others(tmp_path: Pat
     process = pool.process("prefill-0")
     assert process is not None
     assert process.returncode is not None  # the worker started first was stopped again
+
+
+async def test_one_slow_health_check_does_not_take_a_worker_out(tmp_path: Path) -> None:
+    """A CPU-starved server misses a check now and then; only a run of failures counts."""
+    from workers.pool import _Member  # the health bookkeeping under test
+
+    pool = WorkerPool(
+        PoolConfig(WorkerRole.DECODE, external_urls=("http://127.0.0.1:9",), log_dir=tmp_path)
+    )
+    member: _Member = pool._members[0]
+    member.worker.healthy = True
+    pool._set_health(member, "TimeoutError")
+    pool._set_health(member, "TimeoutError")
+    assert member.worker.healthy, "two slow checks in a row are tolerated"
+    pool._set_health(member, None)
+    pool._set_health(member, "TimeoutError")
+    pool._set_health(member, "TimeoutError")
+    assert member.worker.healthy, "a success resets the count"
+    pool._set_health(member, "TimeoutError")
+    assert not member.worker.healthy, "the third failure in a row takes it out"
+    pool._set_health(member, None)
+    assert member.worker.healthy
+    pool._set_health(member, "ClientConnectorError", definitive=True)
+    assert not member.worker.healthy, "a refused connection counts at once"
