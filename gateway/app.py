@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.routes_openai import router as openai_router
 from gateway.upstream import EngineClient, UpstreamConfig
+from gateway.worker_metrics import scrape_workers
 from kv_transfer.decider import DeciderConfig
 from workers.registry import Worker, WorkerSource
 
@@ -48,6 +49,7 @@ def create_app(
             engine, prefill, decode, models, config.decider, metrics
         )
         app.state.sse_ping_interval_s = config.sse_ping_interval_s
+        app.state.engine = engine
         try:
             yield
         finally:
@@ -64,9 +66,12 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        """Prometheus text: requests by path and outcome, latencies, tokens, worker state."""
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(http_request: Request) -> Response:
+        """Prometheus text: requests by path and outcome, latencies, tokens, worker state, and
+        the workers' own prefix-cache and KV-transfer counters."""
+        engine: EngineClient = http_request.app.state.engine
+        from_workers = await scrape_workers(engine.session, [prefill, decode])
+        return Response(metrics.render() + from_workers.encode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

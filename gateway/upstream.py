@@ -111,6 +111,13 @@ class EngineClient:
             connector=connector, json_serialize=lambda obj: orjson.dumps(obj).decode()
         )
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session, for other reads from workers (metrics)."""
+        if self._session is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        return self._session
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()

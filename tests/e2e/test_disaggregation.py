@@ -90,3 +90,26 @@ def test_decider_short_prompt_colocated_long_prompt_split(
         model=live_stack.model, messages=[{"role": "user", "content": long_prompt}], max_tokens=2
     )
     assert count("disaggregated", "long_prompt") == long_before + 1
+
+
+def test_gateway_reexports_the_workers_transfer_and_cache_counters(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": uuid.uuid4().hex + " " + "lorem ipsum " * 150}],
+        max_tokens=2,
+    )
+    text = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
+    transfers = re.search(
+        r'^tandem_worker_kv_transfers_total\{worker="decode-0",role="decode"\} ([0-9.e+]+)$',
+        text,
+        re.M,
+    )
+    assert transfers and float(transfers.group(1)) >= 1, text[-2000:]
+    queries = re.search(
+        r'^tandem_worker_prefix_cache_queries_total\{worker="prefill-0",role="prefill"\} ([0-9.e+]+)$',
+        text,
+        re.M,
+    )
+    assert queries and float(queries.group(1)) > 0

@@ -455,6 +455,18 @@ class FakeEngine:
             [("", "", st.prompt_tokens_external)],
         )
         metric(
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            [("", "", st.prompt_tokens_local_compute)],
+        )
+        metric(
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens (the fake caches nothing).",
+            [("", "", 0)],
+        )
+        metric(
             "vllm:generation_tokens_total",
             "counter",
             "Number of generation tokens processed.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -172,6 +173,17 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
     assert 'tandem_tokens_total{kind="completion"} 6.0' in metrics
     assert 'tandem_worker_healthy{role="decode",worker="decode-ext-0"} 1.0' in metrics
     assert 'tandem_time_to_first_token_seconds_count{path="disaggregated"} 1.0' in metrics
+    # The workers' own counters, re-exported per worker.
+    assert re.search(
+        r'^tandem_worker_prefix_cache_queries_total\{worker="prefill-ext-0",role="prefill"\} [1-9]',
+        metrics,
+        re.M,
+    )
+    assert re.search(
+        r'^tandem_worker_kv_transfers_total\{worker="decode-ext-0",role="decode"\} 1\.0$',
+        metrics,
+        re.M,
+    )
 
 
 async def _metrics(fake_stack: FakeStack) -> str:
