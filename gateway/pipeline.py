@@ -177,20 +177,25 @@ class ServingPipeline:
         """
         decode_worker = _pick(self._decode, "decode")
         request.decode_worker = decode_worker.name
-        prefill_worker = pick_by_affinity(
-            self._prefill.workers,
-            prefix_key(body, self._decider.affinity_prefix_chars),
-            self._decider.affinity_max_extra_load,
-        )
+        prefill_workers = self._prefill.workers
         decision = decide(
             body,
             self._decider,
-            has_prefill_pool=bool(self._prefill.workers),
-            prefill_healthy=prefill_worker is not None,
+            has_prefill_pool=bool(prefill_workers),
+            prefill_healthy=any(worker.healthy for worker in prefill_workers),
         )
         request.path, request.path_reason = decision.path, decision.reason
-        if decision.path is not ServingPath.DISAGGREGATED or prefill_worker is None:
+        if decision.path is not ServingPath.DISAGGREGATED:
             return decode_worker, colocated_body(body)
+        # Only split requests pay for the affinity key. No await since the health check above,
+        # so a healthy prefill worker is still there.
+        prefill_worker = pick_by_affinity(
+            prefill_workers,
+            prefix_key(body, self._decider.affinity_prefix_chars),
+            self._decider.affinity_max_extra_load,
+        )
+        if prefill_worker is None:
+            raise RuntimeError("decide() saw a healthy prefill worker that pick found gone")
         request.prefill_worker = prefill_worker.name
         request.advance(RequestPhase.PREFILLING)
         try:
