@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack
 from typing import Any
 
 import orjson
@@ -47,7 +48,10 @@ class RelayStream:
         self._include_usage = include_usage
         self._on_end = on_end
         self._closed = False
-        worker.num_outstanding += 1
+        # The worker's slot is held for the stream's whole life, across calls: an ExitStack
+        # keeps Worker.lease() the one way slots are counted.
+        self._lease = ExitStack()
+        self._lease.enter_context(worker.lease())
 
     async def events(self) -> AsyncIterator[str]:
         """The client's payloads: chunks, then ``[DONE]``; or chunks, then one error event."""
@@ -91,7 +95,7 @@ class RelayStream:
             return
         self._closed = True
         self._upstream.close()
-        self._worker.num_outstanding -= 1
+        self._lease.close()
         if not self._request.phase.is_terminal:
             self._request.abort()
             log.info("request %s aborted: the client went away", self._request.request_id)
@@ -121,8 +125,10 @@ def split_finish_chunk(chunk: dict[str, Any], content_key: str) -> list[dict[str
     finishing = [c for c in choices if c.get("finish_reason") and _has_content(c, content_key)]
     if not finishing:
         return [chunk]
+    finishing_ids = {id(c) for c in finishing}
     content_choices = [
-        {**c, "finish_reason": None, "stop_reason": None} if c in finishing else c for c in choices
+        {**c, "finish_reason": None, "stop_reason": None} if id(c) in finishing_ids else c
+        for c in choices
     ]
     empty: Any = {} if content_key == "delta" else ""
     finish_choices = [
