@@ -8,8 +8,15 @@ renders them in one handler; a stream that already started carries them as one `
     ├── InvalidRequestError          400 invalid_request_error
     │   └── ContextLengthExceededError   400 code=context_length_exceeded
     ├── AuthenticationError          401 authentication_error
+    ├── PermissionDeniedError        403 permission_denied
+    ├── NotFoundError                404 not_found_error (admin resources)
     ├── ModelNotFoundError           404 code=model_not_found
+    ├── ConflictError                409 code=conflict
+    ├── RateLimitError               429 code=rate_limit_exceeded, retry-after
+    │   └── QuotaExhaustedError          429 code=insufficient_quota, x-should-retry: false
+    ├── OverloadedError              503 code=overloaded, retry-after (admission shed the request)
     ├── NoHealthyWorkerError         503 code=no_healthy_worker, retry-after
+    ├── StoreUnavailableError        503 code=store_unavailable (quota store down, fail-closed)
     └── EngineError                  502 code=engine_error (a worker failed or answered junk)
         └── EngineTimeoutError       504 code=engine_timeout
 """
@@ -34,6 +41,7 @@ class TandemError(Exception):
         param: str | None = None,
         retry_after_s: float | None = None,
         should_retry: bool | None = None,
+        extra_headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -41,6 +49,7 @@ class TandemError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
+        self.extra_headers = extra_headers or {}
 
     def to_body(self) -> dict[str, Any]:
         """The OpenAI error body: all four keys, ``code`` a string or null, never an int."""
@@ -55,7 +64,7 @@ class TandemError(Exception):
 
     def headers(self) -> dict[str, str]:
         """Retry hints for the OpenAI SDKs (they read these before the status code)."""
-        headers: dict[str, str] = {}
+        headers = dict(self.extra_headers)
         if self.retry_after_s is not None:
             # Whole seconds for `retry-after`; `retry-after-ms` keeps the precision.
             headers["retry-after"] = str(max(1, round(self.retry_after_s)))
@@ -87,12 +96,61 @@ class AuthenticationError(TandemError):
     default_code = "invalid_api_key"
 
 
+class PermissionDeniedError(TandemError):
+    """A valid credential used where it has no rights (a tenant key on the admin API)."""
+
+    status_code = 403
+    error_type = "permission_denied"
+    default_code = "permission_denied"
+
+
+class NotFoundError(TandemError):
+    """An admin resource (tenant, key) that does not exist."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
 class ModelNotFoundError(TandemError):
     """The requested model is not served by this gateway."""
 
     status_code = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class ConflictError(TandemError):
+    """The request conflicts with the current state (a name already taken)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class RateLimitError(TandemError):
+    """A tenant's RPM, TPM or concurrency limit is reached now; retrying after
+    ``retry_after_s`` will succeed if nothing else is spent meanwhile."""
+
+    status_code = 429
+    error_type = "requests"
+    default_code = "rate_limit_exceeded"
+
+
+class QuotaExhaustedError(RateLimitError):
+    """The wait is longer than a client should sit through (over 120 s), or the request can
+    never fit the plan: the SDK is told not to retry."""
+
+    error_type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
+class OverloadedError(TandemError):
+    """Admission shed the request: the queue is full or its deadline cannot be met."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "overloaded"
 
 
 class NoHealthyWorkerError(TandemError):
@@ -116,3 +174,11 @@ class EngineTimeoutError(EngineError):
 
     status_code = 504
     default_code = "engine_timeout"
+
+
+class StoreUnavailableError(TandemError):
+    """The quota store cannot be reached and the policy is fail-closed."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "store_unavailable"

@@ -50,6 +50,12 @@ class Request:
     path_reason: str | None = None  # why that path (kv_transfer.decider.Reason)
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    tenant_id: str | None = None
+    queue_wait_s: float | None = None
+    """Time spent waiting for admission in the fair queue."""
+    num_streamed_tokens: int = 0
+    """Content chunks relayed to the client per choice (about one token each), for billing a
+    stream that ended without the engine's usage."""
     usage: Usage | None = None
     finish_reason: str | None = None
     error_code: str | None = None

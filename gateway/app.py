@@ -2,23 +2,56 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from admission.admitter import AdmissionConfig, Admitter
+from admission.controller import AdmissionController, ControllerConfig
+from admission.tokens import TokenizerCounter
+from gateway.auth import AdminAuth, Authenticator
+from gateway.capacity import DecodeCapacity
 from gateway.errors import install_error_handlers
+from gateway.gate import Gate, GateConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ServedModel, ServingPipeline
+from gateway.routes_admin import router as admin_router
 from gateway.routes_openai import router as openai_router
+from gateway.stores import StoreConfig, open_stores
 from gateway.upstream import EngineClient, UpstreamConfig
 from gateway.worker_metrics import scrape_workers
 from kv_transfer.decider import DeciderConfig
 from workers.registry import Worker, WorkerSource
+
+
+@dataclass(frozen=True, slots=True)
+class AccessConfig:
+    """Who may call, and how requests are admitted."""
+
+    auth_required: bool = True
+    """Require tenant keys; ``False`` serves unknown callers as the unlimited anonymous tenant."""
+    admin_key: str | None = None
+    """The admin API's credential; ``None`` leaves the admin API closed (401 for everyone)."""
+    stores: StoreConfig = field(default_factory=StoreConfig)
+    """Where tenants, keys and quota counters live."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    """Store-failure policy and concurrency-hold lifetime."""
+    max_queue: int = 1024
+    """Requests waiting for admission at once; more are shed."""
+    max_in_flight_per_worker: int = 32
+    """Admitted requests per healthy decode worker."""
+    gate: GateConfig = field(default_factory=GateConfig)
+    """Queue deadline."""
+    tokenizer_dir: Path | None = None
+    """Model folder with the ``tokenizer.json`` prompts are counted with (None: 4 chars/token)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +64,8 @@ class GatewayConfig:
     """Heartbeat interval on client streams."""
     decider: DeciderConfig = field(default_factory=DeciderConfig)
     """When a request is split across prefill and decode workers."""
+    access: AccessConfig = field(default_factory=AccessConfig)
+    """Tenants, quotas and admission."""
 
 
 def create_app(
@@ -41,24 +76,50 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway app over pools someone else starts and stops (the CLI or a test)."""
 
+    access = config.access
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = EngineClient(config.upstream)
-        await engine.start()
-        app.state.pipeline = ServingPipeline(
-            engine, prefill, decode, models, config.decider, metrics
-        )
-        app.state.sse_ping_interval_s = config.sse_ping_interval_s
-        app.state.engine = engine
-        try:
+        async with contextlib.AsyncExitStack() as resources:
+            engine = EngineClient(config.upstream)
+            await engine.start()
+            resources.push_async_callback(engine.aclose)
+            stores = await open_stores(access.stores)
+            resources.push_async_callback(stores.aclose)
+            admitter = Admitter(
+                AdmissionConfig(
+                    max_queue=access.max_queue,
+                    max_in_flight=access.max_in_flight_per_worker,
+                    default_queue_timeout_s=access.gate.queue_timeout_s,
+                ),
+                DecodeCapacity(decode, access.max_in_flight_per_worker),
+            )
+            await admitter.start()
+            resources.push_async_callback(admitter.aclose)
+            authenticator = Authenticator(stores.registry, required=access.auth_required)
+            await authenticator.start()
+            resources.push_async_callback(authenticator.aclose)
+            controller = AdmissionController(
+                stores.quotas, admitter, access.controller, metrics.observe_store_error
+            )
+            counter = await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir)
+            app.state.pipeline = ServingPipeline(
+                engine, prefill, decode, models, config.decider, metrics
+            )
+            app.state.gate = Gate(access.gate, authenticator, controller, counter, metrics)
+            app.state.registry = stores.registry
+            app.state.admission = controller
+            app.state.admin_auth = AdminAuth(access.admin_key, authenticator)
+            app.state.sse_ping_interval_s = config.sse_ping_interval_s
+            app.state.engine = engine
+            metrics.watch_admission(admitter)
             yield
-        finally:
-            await engine.aclose()
 
     metrics = GatewayMetrics([prefill, decode])
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(admin_router)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

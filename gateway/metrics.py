@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from admission.admitter import Admitter
 from core.request import Request
 from workers.registry import WorkerSource
 
@@ -49,7 +50,58 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self._rejections = Counter(
+            "tandem_admission_rejections",
+            "Requests refused at admission, by error code (rate limits, quota, shed, store).",
+            ("code",),
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "tandem_queue_wait_seconds",
+            "Time admitted requests waited in the fair queue, by priority band.",
+            ("band",),
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self._store_errors = Counter(
+            "tandem_quota_store_errors",
+            "Quota store operations that failed because the store was unreachable.",
+            ("operation",),
+            registry=self.registry,
+        )
+        self._tenant_tokens = Counter(
+            "tandem_tenant_tokens",
+            "Tokens charged to each tenant after reconciliation.",
+            ("tenant",),
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pools))
+
+    def watch_admission(self, admitter: Admitter) -> None:
+        """Export the admission queue's live length and in-flight count."""
+        queued = Gauge(
+            "tandem_admission_queued", "Requests waiting in the fair queue.",
+            registry=self.registry,
+        )  # fmt: skip
+        queued.set_function(lambda: admitter.num_queued)
+        in_flight = Gauge(
+            "tandem_admission_in_flight", "Requests admitted and not yet ended.",
+            registry=self.registry,
+        )  # fmt: skip
+        in_flight.set_function(lambda: admitter.num_in_flight)
+
+    def observe_rejection(self, code: str | None) -> None:
+        """A request refused before it was admitted."""
+        self._rejections.labels(code or "none").inc()
+
+    def observe_admitted(self, band: str, queue_wait_s: float) -> None:
+        self._queue_wait.labels(band).observe(queue_wait_s)
+
+    def observe_store_error(self, operation: str) -> None:
+        self._store_errors.labels(operation).inc()
+
+    def observe_charged(self, tenant: str, num_tokens: int) -> None:
+        self._tenant_tokens.labels(tenant).inc(num_tokens)
 
     def observe_end(self, request: Request) -> None:
         """Record a request that reached a terminal phase (call exactly once per request)."""

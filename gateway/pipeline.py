@@ -71,15 +71,26 @@ class ServingPipeline:
         self._decider = decider
         self._metrics = metrics
         self.models = tuple(models)
-        self._model_names = frozenset(model.name for model in models)
+        self._models_by_name = {model.name: model for model in models}
 
-    def check_model(self, name: str) -> None:
-        """Raise 404 for a model this gateway does not serve."""
-        if name not in self._model_names:
-            served = ", ".join(sorted(self._model_names))
+    def check_model(self, name: str) -> ServedModel:
+        """The served model of that name, or 404."""
+        model = self._models_by_name.get(name)
+        if model is None:
+            served = ", ".join(sorted(self._models_by_name))
             raise ModelNotFoundError(
                 f"The model '{name}' does not exist on this server; served models: {served}",
                 param="model",
+            )
+        return model
+
+    def check_decode_available(self) -> None:
+        """503 at once when no decode worker is healthy: better than a long wait in the
+        admission queue for a worker that may take minutes to come back."""
+        if not any(worker.healthy for worker in self._decode.workers):
+            raise NoHealthyWorkerError(
+                "No healthy decode worker is available; retry shortly.",
+                retry_after_s=_NO_WORKER_RETRY_AFTER_S,
             )
 
     async def complete(
@@ -109,12 +120,17 @@ class ServingPipeline:
         return response
 
     async def stream(
-        self, endpoint: Endpoint, body: dict[str, Any], request: Request
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: Request,
+        on_output: Callable[[int], None] | None = None,
     ) -> RelayStream:
         """Open the decode stream; the caller relays it and must ``aclose()`` it.
 
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
+        ``on_output`` hears of every batch of output tokens relayed (fair-queue charging).
         """
 
         async def call(worker: Worker, leg: dict[str, Any]) -> EngineStream:
@@ -129,7 +145,7 @@ class ServingPipeline:
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return RelayStream(
-            upstream, decode_worker, request, endpoint, include_usage, self._observe_end
+            upstream, decode_worker, request, endpoint, include_usage, self._observe_end, on_output
         )
 
     async def _decode_with_retry(

@@ -39,6 +39,7 @@ class RelayStream:
         endpoint: Endpoint,
         include_usage: bool,
         on_end: Callable[[Request], None],
+        on_output: Callable[[int], None] | None = None,
     ) -> None:
         self._upstream = upstream
         self._response_id = response_id(endpoint, request)
@@ -47,6 +48,7 @@ class RelayStream:
         self._request = request
         self._include_usage = include_usage
         self._on_end = on_end
+        self._on_output = on_output
         self._closed = False
         # The worker's slot is held for the stream's whole life, across calls: an ExitStack
         # keeps Worker.lease() the one way slots are counted.
@@ -70,8 +72,14 @@ class RelayStream:
                         if self._include_usage:
                             yield orjson.dumps(chunk).decode()
                     continue
+                num_tokens = 0
                 for choice in choices:
                     finish_reason = choice.get("finish_reason") or finish_reason
+                    num_tokens += _has_content(choice, self._content_key)
+                if num_tokens:
+                    request.num_streamed_tokens += num_tokens
+                    if self._on_output is not None:
+                        self._on_output(num_tokens)
                 if self._include_usage:
                     chunk["usage"] = None
                 else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import orjson
@@ -15,8 +16,9 @@ from starlette.types import Receive, Scope, Send
 
 from core.errors import InvalidRequestError
 from core.messages import Endpoint
-from core.request import Request
+from core.request import Request, RequestPhase
 from gateway.errors import invalid_request_from_validation
+from gateway.gate import Gate
 from gateway.pipeline import ServingPipeline
 from gateway.relay import RelayStream
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -30,56 +32,71 @@ def get_pipeline(http_request: HttpRequest) -> ServingPipeline:
     return pipeline
 
 
+def get_gate(http_request: HttpRequest) -> Gate:
+    gate: Gate = http_request.app.state.gate
+    return gate
+
+
 def get_ping_interval(http_request: HttpRequest) -> float:
     interval: float = http_request.app.state.sse_ping_interval_s
     return interval
 
 
 PipelineDep = Annotated[ServingPipeline, Depends(get_pipeline)]
+GateDep = Annotated[Gate, Depends(get_gate)]
 PingDep = Annotated[float, Depends(get_ping_interval)]
 
 
 class OpenAIEventStream(EventSourceResponse):
     """Data-only SSE as the OpenAI SDKs expect: ``\\n`` separators, ``: ping`` heartbeats.
 
-    The relay is closed however the response ends, even if the client left before the first
-    event (then the body generator never runs, so its own cleanup could not).
+    The relay is closed and ``on_close`` awaited however the response ends, even if the client
+    left before the first event (then the body generator never runs, so its own cleanup could
+    not).
     """
 
-    def __init__(self, relay: RelayStream, request_id: str, ping_interval_s: float) -> None:
+    def __init__(
+        self,
+        relay: RelayStream,
+        headers: dict[str, str],
+        ping_interval_s: float,
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:
         super().__init__(
             relay.events(),
             sep="\n",
             ping=ping_interval_s,
             ping_message_factory=lambda: ServerSentEvent(comment="ping"),
-            headers={"Cache-Control": "no-cache", "x-request-id": request_id},
+            headers={"Cache-Control": "no-cache", **headers},
         )
         self._relay = relay
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._relay.aclose()
+            await self._on_close()
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    http_request: HttpRequest, pipeline: PipelineDep, ping_interval_s: PingDep
+    http_request: HttpRequest, pipeline: PipelineDep, gate: GateDep, ping_interval_s: PingDep
 ) -> Response:
     """OpenAI chat completions, streaming or not."""
     return await _serve(
-        Endpoint.CHAT, ChatCompletionRequest, http_request, pipeline, ping_interval_s
+        Endpoint.CHAT, ChatCompletionRequest, http_request, pipeline, gate, ping_interval_s
     )
 
 
 @router.post("/v1/completions")
 async def completions(
-    http_request: HttpRequest, pipeline: PipelineDep, ping_interval_s: PingDep
+    http_request: HttpRequest, pipeline: PipelineDep, gate: GateDep, ping_interval_s: PingDep
 ) -> Response:
     """OpenAI (legacy) text completions, streaming or not."""
     return await _serve(
-        Endpoint.COMPLETIONS, CompletionRequest, http_request, pipeline, ping_interval_s
+        Endpoint.COMPLETIONS, CompletionRequest, http_request, pipeline, gate, ping_interval_s
     )
 
 
@@ -106,28 +123,42 @@ async def _serve(
     schema: type[BaseModel],
     http_request: HttpRequest,
     pipeline: ServingPipeline,
+    gate: Gate,
     ping_interval_s: float,
 ) -> Response:
+    caller = await gate.authenticate(http_request.headers.get("authorization"))
     body = await _json_body(http_request)
     try:
-        validated = schema.model_validate(body)
+        schema.model_validate(body)  # the client's own JSON is what the engine gets
     except ValidationError as exc:
         raise invalid_request_from_validation(exc) from exc
-    model_name = str(body["model"])
-    pipeline.check_model(model_name)
+    model = pipeline.check_model(str(body["model"]))
     request = Request(
-        request_id=uuid.uuid4().hex, model=model_name, stream=bool(body.get("stream"))
+        request_id=uuid.uuid4().hex,
+        model=model.name,
+        stream=bool(body.get("stream")),
+        tenant_id=caller.tenant.tenant_id,
     )
-    del validated  # validation only: the client's own JSON is what the engine gets
-    if request.stream:
-        relay = await pipeline.stream(endpoint, body, request)
-        return OpenAIEventStream(relay, request.request_id, ping_interval_s)
-    result = await pipeline.complete(endpoint, body, request)
-    return Response(
-        orjson.dumps(result),
-        media_type="application/json",
-        headers={"x-request-id": request.request_id},
-    )
+    request.advance(RequestPhase.AUTHENTICATED)
+    pipeline.check_decode_available()
+    admission = await gate.admit(caller, endpoint, body, request, model.max_model_len)
+    headers = {
+        "x-request-id": request.request_id,
+        "x-tandem-queue-ms": str(round((request.queue_wait_s or 0.0) * 1000)),
+        **admission.headers(),
+    }
+    try:
+        if request.stream:
+            relay = await pipeline.stream(endpoint, body, request, admission.charge_output)
+            return OpenAIEventStream(
+                relay, headers, ping_interval_s, lambda: gate.settle(admission, request)
+            )
+        result = await pipeline.complete(endpoint, body, request)
+    except BaseException:
+        await gate.settle(admission, request)
+        raise
+    await gate.settle(admission, request)
+    return Response(orjson.dumps(result), media_type="application/json", headers=headers)
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:

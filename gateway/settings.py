@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -74,6 +74,29 @@ class TandemSettings(BaseSettings):
     """Heartbeat comment interval on client streams."""
     health_interval_s: float = Field(1.0, gt=0)
     """How often each worker's ``/health`` is polled."""
+
+    state_dir: Path = Path(".tandem")
+    """Local durable state of the embedded default: the tenant store (``tandem.db``) and the
+    generated admin key (``admin.key``)."""
+    redis_url: str | None = None
+    """Redis for tenants, keys, quota counters and usage, shared by gateway replicas; unset =
+    the embedded default (SQLite file + in-memory counters, one gateway)."""
+    store_timeout_s: float = Field(0.5, gt=0)
+    """Longest wait for the Redis store before it counts as unavailable."""
+    quota_store_failure: Literal["open", "closed"] = "open"
+    """While the quota store is unreachable: admit without quota checks (``open``) or refuse
+    with 503 (``closed``)."""
+    admin_key: SecretStr | None = None
+    """Credential of the admin API; unset = generated once and kept in ``state_dir/admin.key``."""
+    auth_required: bool = True
+    """Require a tenant API key on the OpenAI routes; ``false`` serves unknown callers as an
+    unlimited ``anonymous`` tenant (local development only)."""
+    max_queue: int = Field(1024, ge=1)
+    """Requests that may wait for admission at once on this gateway; more are shed (503)."""
+    max_in_flight_per_worker: int = Field(32, ge=1)
+    """Requests admitted at once per healthy decode worker; the rest wait in the fair queue."""
+    queue_timeout_s: float = Field(60.0, gt=0)
+    """Longest a request waits for admission before a 503 with ``retry-after``."""
 
     @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
     @classmethod

@@ -6,25 +6,31 @@ Fast tier only: the same behaviours are checked against real vLLM workers in ``t
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import uvicorn
 
 from core.messages import WorkerRole
-from gateway.app import GatewayConfig, create_app
+from gateway.app import AccessConfig, GatewayConfig, create_app
 from gateway.pipeline import ServedModel
+from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
 from workers.pool import PoolConfig, WorkerPool
 
 MODEL = "fake-model"
+ADMIN_KEY = "test-admin-key"
 
 
 @dataclass
@@ -37,6 +43,27 @@ class FakeStack:
     client: openai.AsyncOpenAI
     decodes: list[FakeEngine]
     prefills: list[FakeEngine]
+    api_key: str
+    """A key of the ``default`` tenant (unlimited plan) that ``client`` uses."""
+    admin: httpx.AsyncClient
+    """Talks to ``/admin/v1`` with the admin key."""
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization`` for raw HTTP calls as the default tenant."""
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    async def new_tenant(self, name: str, **plan: object) -> str:
+        """Create a tenant with ``plan`` through the admin API; return a fresh key of it."""
+        created = await self.admin.post("/admin/v1/tenants", json={"name": name, **plan})
+        assert created.status_code == 201, created.text
+        issued = await self.admin.post(f"/admin/v1/tenants/{name}/keys", json={})
+        assert issued.status_code == 201, issued.text
+        return str(issued.json()["key"])
+
+    def client_for(self, api_key: str) -> openai.AsyncOpenAI:
+        """An OpenAI client with another key (the caller closes it)."""
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
 
 
 def _free_port() -> int:
@@ -56,12 +83,18 @@ async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
 
 @asynccontextmanager
 async def make_fake_stack(
-    num_decode: int = 1, num_prefill: int = 1, **upstream: float
+    num_decode: int = 1,
+    num_prefill: int = 1,
+    access: AccessConfig | None = None,
+    **upstream: float,
 ) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
 
     ``prefill``/``decode`` are the first engines of each role; all are in ``prefills``/``decodes``.
+    Tenants live in a throwaway SQLite file unless ``access`` says otherwise; the admin key is
+    ``ADMIN_KEY``.
     """
+    state_dir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     prefills = [
         await FakeEngine(MODEL, role="prefill", max_model_len=256).start()
         for _ in range(num_prefill)
@@ -100,6 +133,10 @@ async def make_fake_stack(
         decider=DeciderConfig(
             min_prompt_tokens=0
         ),  # split everything; the decider has its own tests
+        access=access
+        or AccessConfig(
+            admin_key=ADMIN_KEY, stores=StoreConfig(sqlite_path=state_dir / "tandem.db")
+        ),
     )
     app = create_app(config, pools[0], pools[1], [ServedModel(MODEL, 256, 0)])
     port = _free_port()
@@ -109,13 +146,20 @@ async def make_fake_stack(
     serving = asyncio.create_task(server.serve())
     await wait_until(lambda: server.started)
     base_url = f"http://127.0.0.1:{port}"
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    admin = httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    stack = FakeStack(
+        base_url, prefills[0], decodes[0], pools[0], pools[1], None, decodes, prefills, "", admin
+    )  # type: ignore[arg-type]  # the client needs the key, which needs the running server
     try:
-        yield FakeStack(
-            base_url, prefills[0], decodes[0], pools[0], pools[1], client, decodes, prefills
-        )
+        if config.access.admin_key == ADMIN_KEY:
+            stack.api_key = await stack.new_tenant("default")
+        stack.client = stack.client_for(stack.api_key or "no-key")
+        yield stack
     finally:
-        await client.close()
+        if stack.client is not None:
+            await stack.client.close()
+        await admin.aclose()
+        shutil.rmtree(state_dir, ignore_errors=True)
         server.should_exit = True
         await serving
         for pool in pools:

@@ -74,7 +74,7 @@ async def test_stream_with_include_usage_has_one_usage_chunk_last(fake_stack: Fa
 
 async def test_raw_sse_framing(fake_stack: FakeStack) -> None:
     async with (
-        httpx.AsyncClient() as http,
+        httpx.AsyncClient(headers=fake_stack.auth_headers) as http,
         http.stream(
             "POST",
             f"{fake_stack.base_url}/v1/completions",
@@ -129,7 +129,7 @@ async def test_prompt_too_long_is_400_context_length_exceeded(fake_stack: FakeSt
 async def test_no_healthy_decode_worker_is_503_with_retry_after(fake_stack: FakeStack) -> None:
     fake_stack.decode.healthy = False
     await wait_until(lambda: not fake_stack.decode_pool.workers[0].healthy)
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=fake_stack.auth_headers) as http:
         response = await http.post(
             f"{fake_stack.base_url}/v1/chat/completions",
             json={"model": MODEL, "messages": QUESTION},
@@ -254,7 +254,7 @@ async def test_bad_bodies_are_400_in_openai_shape(fake_stack: FakeStack) -> None
             "stop",
         ),
     ]
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=fake_stack.auth_headers) as http:
         for body, param in cases:
             response = await http.post(
                 f"{fake_stack.base_url}/v1/chat/completions",

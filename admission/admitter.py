@@ -1,0 +1,312 @@
+"""The admission controller: a bounded weighted-fair queue in front of the worker pools.
+
+A request asks ``admit`` for an ``AdmissionSlot``. It gets one at once when capacity is free
+and nobody is queued (a newcomer never jumps the queue); otherwise it waits in a ``FairQueue``
+until capacity frees, its deadline passes, it is shed, or its client leaves. Every way out of
+the queue is exactly one of: a slot (the request runs, then ``release``), an ``OverloadedError``
+(queue full, deadline, shutdown), or the waiter's own cancellation (the entry leaves at once).
+
+Capacity comes from a ``CapacitySignal`` read whenever a slot frees, a request arrives, and
+every ``poll_interval_s`` (capacity can grow with no request finishing: a worker becomes
+healthy, KV cache drains). The same poll fails entries whose deadline passed, so deadlines are
+enforced to within one poll interval.
+
+Retry-after for a shed request: the time until the queue ahead of a retry would drain, estimated
+as the queue length x the mean interval between recent admissions (an exponential moving
+average; the time since the last admission when that is longer, so a stall raises it), clamped
+to [1, 30] s. One second is the least the OpenAI SDKs honour as a hint; past 30 s a client is
+better off giving up or going elsewhere than being told to sit out a guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol, TypeAlias
+
+from admission.fair_queue import FairQueue, FairQueueConfig, QueueEntry
+from admission.plans import PriorityBand
+from core.errors import OverloadedError
+
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 30.0
+# Weight of the newest admission interval in the moving average (about the last 10 count).
+_INTERVAL_EWMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Limits of the admission queue."""
+
+    max_queue: int
+    """Most requests waiting at once; past it the worst-placed one is shed."""
+    max_in_flight: int
+    """Capacity (requests admitted and not yet released) when no ``CapacitySignal`` is given."""
+    default_queue_timeout_s: float
+    """How long a request without a deadline may wait in the queue."""
+    poll_interval_s: float = 0.1
+    """How often capacity and deadlines are re-checked with no event to trigger it."""
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError("AdmissionConfig.max_queue must be >= 0 (0: never queue)")
+        if self.max_in_flight < 0:
+            raise ValueError("AdmissionConfig.max_in_flight must be >= 0")
+        if not self.default_queue_timeout_s > 0:
+            raise ValueError("AdmissionConfig.default_queue_timeout_s must be > 0")
+        if not self.poll_interval_s > 0:
+            raise ValueError("AdmissionConfig.poll_interval_s must be > 0")
+
+
+class CapacitySignal(Protocol):
+    """How many requests may be in flight right now (admitted and not released)."""
+
+    def capacity(self) -> int:
+        """Current capacity; cheap and must not raise (it is read on every admission event)."""
+        ...
+
+
+class FixedCapacity:
+    """A constant capacity: the fallback when the gateway has no live signal."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def capacity(self) -> int:
+        """The constant."""
+        return self.value
+
+
+class AdmissionSlot:
+    """The right to run one request. ``release`` it (or leave its ``with`` block) when the
+    request ends; until then it holds one unit of capacity. ``queue_wait_s``: seconds it
+    spent in the admission queue (0 when admitted at once)."""
+
+    __slots__ = ("_admitter", "_entry", "_released", "queue_wait_s")
+
+    def __init__(self, admitter: Admitter, entry: _Entry, queue_wait_s: float) -> None:
+        self._admitter = admitter
+        self._entry = entry
+        self._released = False
+        self.queue_wait_s = queue_wait_s
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant the slot was granted to."""
+        return self._entry.tenant_id
+
+    @property
+    def band(self) -> PriorityBand:
+        """The band it was admitted in."""
+        return self._entry.band
+
+    @property
+    def released(self) -> bool:
+        """Whether ``release`` was called."""
+        return self._released
+
+    def charge_output(self, tokens: int) -> None:
+        """Charge ``tokens`` generated output tokens to the tenant's fairness counter."""
+        self._admitter._fair.charge_output(self._entry.tenant_id, self._entry.weight, tokens)
+
+    def release(self) -> None:
+        """Free the capacity and admit the next waiter. Idempotent."""
+        if not self._released:
+            self._released = True
+            self._admitter._release(self._entry)
+
+    def __enter__(self) -> AdmissionSlot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+# The queue's payload is the waiter's future; `admit` resolves it with a slot or an error.
+_Entry: TypeAlias = QueueEntry[asyncio.Future[AdmissionSlot]]
+
+
+class Admitter:
+    """Bounded weighted-fair admission over a capacity signal. ``start`` / ``aclose``."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        capacity: CapacitySignal | None = None,
+        fair: FairQueueConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._capacity = capacity if capacity is not None else FixedCapacity(config.max_in_flight)
+        self._fair: FairQueue[asyncio.Future[AdmissionSlot]] = FairQueue(fair)
+        self._clock = clock
+        self._num_in_flight = 0
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._last_admitted_at = clock()
+        self._mean_interval_s = 0.0
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._fair)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Slots held (admitted, not yet released)."""
+        return self._num_in_flight
+
+    @property
+    def fair_queue(self) -> FairQueue[asyncio.Future[AdmissionSlot]]:
+        """The policy underneath (read its counters; do not push or pop)."""
+        return self._fair
+
+    async def start(self) -> None:
+        """Begin re-checking capacity and deadlines every poll interval."""
+        if self._task is not None or self._closed:
+            raise RuntimeError("admitter already started or closed")
+        self._task = asyncio.create_task(self._poll_loop(), name="admission poll")
+
+    async def aclose(self) -> None:
+        """Stop admitting: every queued waiter and every later ``admit`` gets OverloadedError.
+        Slots already granted stay valid until released."""
+        self._closed = True
+        for entry in list(self._fair.entries()):
+            self._fail(entry, OverloadedError("shutting down", retry_after_s=RETRY_AFTER_MIN_S))
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def admit(
+        self,
+        tenant_id: str,
+        weight: float,
+        band: PriorityBand,
+        prompt_tokens: int,
+        deadline: float | None,
+    ) -> AdmissionSlot:
+        """Wait for a slot, in weighted-fair order within ``band``. ``deadline`` is on this
+        admitter's clock (monotonic seconds); None means now + ``default_queue_timeout_s``.
+
+        Raises OverloadedError when shed (queue full, or displaced by a better newcomer), when
+        the deadline passes first, or on shutdown. Cancelling the caller takes its entry out of
+        the queue at once, and releases the slot if one was granted in the same instant.
+        """
+        if self._closed:
+            raise OverloadedError("shutting down", retry_after_s=RETRY_AFTER_MIN_S)
+        now = self._clock()
+        if deadline is None:
+            deadline = now + self._config.default_queue_timeout_s
+        if deadline <= now:
+            raise OverloadedError(
+                "the request's deadline passed before it could be admitted",
+                retry_after_s=self._retry_after_s(now),
+            )
+        loop = asyncio.get_running_loop()
+        entry: _Entry = QueueEntry(
+            tenant_id, weight, band, prompt_tokens, now, deadline, loop.create_future()
+        )
+        self._dispatch()  # capacity may have grown since the last event: queue only if full
+        if not self._fair and self._num_in_flight < self._capacity.capacity():
+            self._fair.push(entry)
+            return self._grant(self._fair.pop(), now)
+        if len(self._fair) >= self._config.max_queue:
+            victim = self._fair.shed_for(tenant_id, band)
+            retry_after_s = self._retry_after_s(now)
+            if victim is None:
+                raise OverloadedError("the admission queue is full", retry_after_s=retry_after_s)
+            self._fail(
+                victim,
+                OverloadedError(
+                    "shed from the admission queue for a higher-priority request",
+                    retry_after_s=retry_after_s,
+                ),
+            )
+        self._fair.push(entry)
+        return await self._wait(entry)
+
+    def poll(self) -> None:
+        """Fail entries past their deadline, then admit while capacity allows. The background
+        task calls this every poll interval; call it directly when capacity is known to have
+        grown (a worker became healthy) to skip the wait."""
+        now = self._clock()
+        for entry in self._fair.expired(now):
+            self._fail(entry, self._deadline_error(now))
+        self._dispatch()
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _wait(self, entry: _Entry) -> AdmissionSlot:
+        future = entry.payload
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The client left. Cancelling this task cancelled the future unless a slot (or an
+            # error) had already been set on it in the same loop iteration.
+            self._fair.remove(entry)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()
+            raise
+
+    def _dispatch(self) -> None:
+        """Admit queued entries while in-flight < capacity: capacity never idles while a
+        request waits."""
+        if not self._fair:
+            return
+        now = self._clock()
+        capacity = self._capacity.capacity()
+        while self._num_in_flight < capacity:
+            entry = self._fair.peek()
+            if entry is None:
+                return
+            if entry.payload.done():
+                # Its waiter was cancelled and has not run its cleanup yet: not charged.
+                self._fair.remove(entry)
+            elif entry.deadline is not None and entry.deadline <= now:
+                self._fail(entry, self._deadline_error(now))
+            else:
+                slot = self._grant(self._fair.pop(), now)
+                entry.payload.set_result(slot)
+
+    def _grant(self, entry: _Entry, now: float) -> AdmissionSlot:
+        self._num_in_flight += 1
+        interval = now - self._last_admitted_at
+        self._mean_interval_s += _INTERVAL_EWMA_ALPHA * (interval - self._mean_interval_s)
+        self._last_admitted_at = now
+        return AdmissionSlot(self, entry, queue_wait_s=now - entry.enqueued_at)
+
+    def _release(self, entry: _Entry) -> None:
+        self._num_in_flight -= 1
+        self._fair.finish(entry)
+        self._dispatch()
+
+    def _fail(self, entry: _Entry, error: OverloadedError) -> None:
+        self._fair.remove(entry)
+        if not entry.payload.done():
+            entry.payload.set_exception(error)
+
+    def _deadline_error(self, now: float) -> OverloadedError:
+        return OverloadedError(
+            "the request could not be admitted before its deadline",
+            retry_after_s=self._retry_after_s(now),
+        )
+
+    def _retry_after_s(self, now: float) -> float:
+        """Queue length x recent mean admission interval, clamped (see the module docstring)."""
+        interval = max(self._mean_interval_s, now - self._last_admitted_at)
+        estimate = interval * max(1, len(self._fair))
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.poll_interval_s)
+            self.poll()

@@ -1,0 +1,261 @@
+"""One request's way through admission: plan checks, quota reservation, the fair queue.
+
+    estimate -> plan limits (400) -> reserve RPM + TPM + concurrency (429) -> fair queue (503)
+    -> Admission (headers, output charges) -> settle(used tokens): reconcile, free the slot
+
+Everything taken is given back exactly once: in ``Admission.settle`` or, if the request never
+got an ``Admission``, before ``admit`` raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from admission.admitter import AdmissionSlot, Admitter
+from admission.headers import ratelimit_headers
+from admission.plans import Plan, QuotaLimits
+from admission.quota import (
+    Denial,
+    LimitKind,
+    QuotaSnapshot,
+    QuotaStore,
+    Reservation,
+    StoreUnavailable,
+)
+from admission.tenants import Tenant
+from admission.tokens import TokenEstimate
+from core.errors import (
+    InvalidRequestError,
+    QuotaExhaustedError,
+    RateLimitError,
+    StoreUnavailableError,
+)
+from core.messages import Usage
+
+log = logging.getLogger("tandem.admission")
+
+MAX_CLIENT_RETRY_S = 120.0
+"""The OpenAI SDKs wait at most this long before a retry; longer waits are told not to retry."""
+
+
+class StoreFailurePolicy(enum.StrEnum):
+    """What happens to requests while the quota store cannot be reached."""
+
+    OPEN = "open"
+    """Admit without quota checks: availability first; usage in the outage is not counted."""
+    CLOSED = "closed"
+    """Refuse with 503 until the store is back: quotas first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Admission settings that are not per tenant."""
+
+    store_failure: StoreFailurePolicy = StoreFailurePolicy.OPEN
+    """Fail open or closed while the quota store is down."""
+    store_retry_after_s: float = 2.0
+    """Retry hint on the 503s sent while the store is down and the policy is closed."""
+    hold_s: float = 900.0
+    """Lifetime of a concurrency hold: slots of a gateway that died free themselves after it."""
+
+
+class Admission:
+    """An admitted request's reservation and queue slot, held until ``settle``."""
+
+    def __init__(
+        self,
+        controller: AdmissionController,
+        tenant: Tenant,
+        estimate: TokenEstimate,
+        reservation: Reservation | None,
+        slot: AdmissionSlot,
+    ) -> None:
+        self.tenant = tenant
+        self.estimate = estimate
+        self._controller = controller
+        self._reservation = reservation
+        self._slot = slot
+        self._settled = False
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Time spent in the fair queue."""
+        return self._slot.queue_wait_s
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-*`` as of the reservation (none when the store was bypassed)."""
+        return ratelimit_headers(self._reservation.snapshot) if self._reservation else {}
+
+    def charge_output(self, num_tokens: int) -> None:
+        """Output tokens as they stream: VTC's output charge."""
+        self._slot.charge_output(num_tokens)
+
+    async def settle(self, used_tokens: int) -> None:
+        """Free the queue slot and reconcile the reservation with what was really used.
+
+        Idempotent. Shielded, so a client that leaves mid-settle cannot leave the reservation
+        half done; a store outage is logged, the tokens stay charged and the hold expires.
+        """
+        if self._settled:
+            return
+        self._settled = True
+        self._slot.release()
+        if self._reservation is not None:
+            await asyncio.shield(
+                self._controller.reconcile(self._reservation, self.tenant.plan, used_tokens)
+            )
+
+
+class AdmissionController:
+    """Plan checks, quota reservations and the fair queue, for every request."""
+
+    def __init__(
+        self,
+        quotas: QuotaStore,
+        admitter: Admitter,
+        config: ControllerConfig,
+        on_store_error: Callable[[str], None] = lambda operation: None,
+    ) -> None:
+        self._quotas = quotas
+        self._admitter = admitter
+        self._config = config
+        self._on_store_error = on_store_error
+
+    async def admit(
+        self, tenant: Tenant, estimate: TokenEstimate, deadline: float | None
+    ) -> Admission:
+        """Admit a request or raise the error its client gets (400, 429 or 503)."""
+        plan = tenant.plan
+        check_plan_limits(plan, estimate)
+        reservation = await self._reserve(tenant, estimate)
+        try:
+            slot = await self._admitter.admit(
+                tenant.tenant_id, plan.weight, plan.band, estimate.prompt_tokens, deadline
+            )
+        except BaseException:
+            # Shed, deadline or client gone while queued: nothing ran, so nothing is owed.
+            if reservation is not None:
+                await asyncio.shield(self.reconcile(reservation, plan, 0))
+            raise
+        return Admission(self, tenant, estimate, reservation, slot)
+
+    async def reconcile(self, reservation: Reservation, plan: Plan, used_tokens: int) -> None:
+        """Settle one reservation; a store outage is logged, never raised."""
+        try:
+            await self._quotas.reconcile(reservation, QuotaLimits.of(plan), used_tokens)
+        except StoreUnavailable as exc:
+            self._on_store_error("reconcile")
+            log.warning(
+                "quota store unavailable: reservation %s of tenant %s stays charged (%s)",
+                reservation.reservation_id, reservation.tenant_id, exc,
+            )  # fmt: skip
+
+    async def forget(self, tenant_id: str) -> None:
+        """Drop a deleted tenant's counters (raises ``StoreUnavailable``)."""
+        await self._quotas.forget(tenant_id)
+
+    def num_queued(self, tenant_id: str) -> int:
+        """The tenant's requests waiting in this replica's queue."""
+        # O(queue length): for the admin API, not the request path.
+        return sum(
+            1 for entry in self._admitter.fair_queue.entries() if entry.tenant_id == tenant_id
+        )
+
+    async def snapshot(self, tenant: Tenant) -> QuotaSnapshot:
+        """The tenant's live quota state (raises ``StoreUnavailable``)."""
+        return await self._quotas.snapshot(tenant.tenant_id, QuotaLimits.of(tenant.plan))
+
+    async def _reserve(self, tenant: Tenant, estimate: TokenEstimate) -> Reservation | None:
+        limits = QuotaLimits.of(tenant.plan)
+        if limits == QuotaLimits(None, None, None):
+            return None  # an unlimited plan needs no round trip
+        try:
+            result = await self._quotas.reserve(
+                tenant.tenant_id, limits, estimate.total_tokens, self._config.hold_s
+            )
+        except StoreUnavailable as exc:
+            self._on_store_error("reserve")
+            if self._config.store_failure is StoreFailurePolicy.OPEN:
+                log.warning(
+                    "quota store unavailable, admitting tenant %s without a quota check "
+                    "(policy: open): %s", tenant.name, exc,
+                )  # fmt: skip
+                return None
+            log.error("quota store unavailable, refusing (policy: closed): %s", exc)
+            raise StoreUnavailableError(
+                "Quota checks are temporarily unavailable; retry shortly.",
+                retry_after_s=self._config.store_retry_after_s,
+            ) from exc
+        if isinstance(result, Denial):
+            raise denial_error(result, estimate)
+        return result
+
+
+def check_plan_limits(plan: Plan, estimate: TokenEstimate) -> None:
+    """Per-request limits of the plan: a request over them can never pass, so 400."""
+    if plan.max_prompt_tokens is not None and estimate.prompt_tokens > plan.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"Your prompt has about {estimate.prompt_tokens} tokens; your plan allows at most "
+            f"{plan.max_prompt_tokens} per request. Shorten the prompt.",
+            code="prompt_too_long",
+            param="messages",
+        )
+    if plan.max_output_tokens is not None and estimate.max_output_tokens > plan.max_output_tokens:
+        raise InvalidRequestError(
+            f"max_tokens is {estimate.max_output_tokens} (or unset, which means the whole "
+            f"context window); your plan allows at most {plan.max_output_tokens}. Set "
+            f"max_tokens to {plan.max_output_tokens} or less.",
+            code="max_tokens_too_large",
+            param="max_tokens",
+        )
+
+
+def denial_error(denial: Denial, estimate: TokenEstimate) -> RateLimitError:
+    """The 429 for a refused reservation, with its retry hints and rate-limit headers."""
+    headers = ratelimit_headers(denial.snapshot)
+    if denial.retry_after_s is None:
+        return QuotaExhaustedError(
+            f"This request needs up to {estimate.total_tokens} tokens (prompt plus max_tokens "
+            f"x n), more than your plan's {denial.snapshot.limit_tokens} tokens per minute. "
+            "Lower max_tokens or split the request.",
+            should_retry=False,
+            extra_headers=headers,
+        )
+    if denial.limit is LimitKind.CONCURRENCY:
+        # The store's figure is when a hold expires (minutes); a slot usually frees much sooner,
+        # when one of the tenant's own requests ends.
+        return RateLimitError(
+            "Too many concurrent requests for your plan; retry when one of them has ended.",
+            retry_after_s=1.0,
+            extra_headers=headers,
+        )
+    what = {
+        LimitKind.REQUESTS: f"requests per minute ({denial.snapshot.limit_requests})",
+        LimitKind.TOKENS: f"tokens per minute ({denial.snapshot.limit_tokens})",
+    }[denial.limit]
+    if denial.retry_after_s > MAX_CLIENT_RETRY_S:
+        return QuotaExhaustedError(
+            f"Rate limit reached for {what}; capacity frees in {denial.retry_after_s:.0f} s.",
+            retry_after_s=denial.retry_after_s,
+            should_retry=False,
+            extra_headers=headers,
+        )
+    return RateLimitError(
+        f"Rate limit reached for {what}. Retry in {denial.retry_after_s:.2f} s.",
+        retry_after_s=denial.retry_after_s,
+        extra_headers=headers,
+    )
+
+
+def used_tokens(
+    estimate: TokenEstimate, usage: Usage | None, *, engine_ran: bool, num_streamed: int
+) -> int:
+    """What a request spent: the engine's count when it sent one; otherwise the prompt (if an
+    engine saw it) plus the tokens streamed before the end."""
+    if usage is not None:
+        return usage.total_tokens
+    return (estimate.prompt_tokens if engine_ran else 0) + num_streamed

@@ -1,0 +1,329 @@
+"""Weighted-fair queueing with priority bands: Virtual Token Counter (VTC, OSDI'24).
+
+Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the clock and the waiters.
+
+- Every tenant has one virtual counter: the weighted service it received divided by its weight.
+  Service costs ``w_in * prompt_tokens`` (charged when the request is admitted, ``pop``) plus
+  ``w_out * output_tokens`` (charged as they stream, ``charge_output``).
+- Bands are strict: a band is served only when every better band is empty. Fairness applies
+  within a band: the backlogged tenant with the smallest counter goes next, FIFO per tenant.
+- Lift: when a tenant's queue in a band goes from empty to non-empty, its counter is raised to
+  that band's *floor* (never lowered). The floor is the smallest counter among the tenants
+  backlogged in the band, or, while the band is empty, the counter of the last tenant that
+  left it (VTC's rule for an empty queue; starting newcomers at 0 instead would let them
+  overtake everyone who was served before). So idle time is never banked and a newcomer is
+  never starved. The lift looks only at the same band: tenants of other bands are never compared
+  with it, and a batch tenant's large counter must not push an interactive newcomer ahead.
+- Guarantee: two continuously backlogged tenants of one band differ in counter by at most about
+  one (two, with concurrency) of the largest single charges.
+- Memory: a tenant's counter is dropped once it is idle (nothing queued, nothing in service) and
+  its counter is at or below its band's floor: it would be lifted to the floor on return anyway,
+  and no output charge can arrive any more. The floor only rises, so a counter that is above it
+  outlives its tenant's last request only until the band has served about that much more.
+
+Costs: ``push``/``pop``/``charge_output`` are O(log n) over the band's backlogged tenants (lazy
+heaps, rebuilt when they grow stale); ``remove`` is O(tenant queue); ``expired`` is O(queue).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from admission.plans import PriorityBand
+
+P = TypeVar("P")
+
+# Bands from best (served first) to worst (shed first).
+_BANDS = tuple(sorted(PriorityBand, key=lambda band: band.rank))
+
+
+@dataclass(frozen=True, slots=True)
+class FairQueueConfig:
+    """Weights of the VTC cost function (the paper charges output twice as much as prompt)."""
+
+    w_in: float = 1.0
+    """Cost of one prompt token."""
+    w_out: float = 2.0
+    """Cost of one output token."""
+
+    def __post_init__(self) -> None:
+        if self.w_in < 0 or self.w_out < 0:
+            raise ValueError("FairQueueConfig: w_in and w_out must be >= 0")
+
+
+@dataclass(slots=True, eq=False)
+class QueueEntry(Generic[P]):
+    """One waiting request. Compared by identity: two requests are never the same entry."""
+
+    tenant_id: str
+    weight: float
+    """The tenant's fairness weight (its plan's), > 0."""
+    band: PriorityBand
+    prompt_tokens: int
+    enqueued_at: float
+    """Monotonic seconds, on the admitter's clock."""
+    deadline: float | None
+    """Monotonic seconds after which the request is no longer worth admitting; None: never."""
+    payload: P
+    """The owner's handle on the waiter (the admitter keeps the future it resolves here)."""
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"QueueEntry.weight must be > 0, got {self.weight}")
+        if self.prompt_tokens < 0:
+            raise ValueError(f"QueueEntry.prompt_tokens must be >= 0, got {self.prompt_tokens}")
+
+
+@dataclass(slots=True)
+class _Tenant:
+    counter: float
+    band: PriorityBand
+    """The band of its latest entry: the floor its counter is compared with when idle."""
+    queued: int = 0
+    in_service: int = 0
+    listed_in: PriorityBand | None = None
+    """The band whose ``idle`` heap holds its live item; items elsewhere are stale (at most
+    one live item per tenant, so the heaps stay bounded by the number of counters)."""
+
+
+@dataclass(slots=True)
+class _Band(Generic[P]):
+    name: PriorityBand
+    queues: dict[str, deque[QueueEntry[P]]] = field(default_factory=dict)
+    """Backlogged tenants only: a queue is deleted when it empties."""
+    num_entries: int = 0
+    # Lazy heaps of (counter, seq, tenant): an item is live while its tenant is backlogged here
+    # and its counter is unchanged; every counter change pushes a fresh item.
+    by_min: list[tuple[float, int, str]] = field(default_factory=list)
+    by_max: list[tuple[float, int, str]] = field(default_factory=list)
+    """Negated counters, so the heap top is the largest."""
+    idle: list[tuple[float, int, str]] = field(default_factory=list)
+    """Idle tenants last seen in this band, smallest counter first: candidates for dropping."""
+    last_floor: float = 0.0
+    """The counter of the last tenant that left this band's backlog (the floor while empty)."""
+
+
+class FairQueue(Generic[P]):
+    """VTC over priority bands. ``pop`` -> ``charge_output``* -> ``finish`` per admitted entry."""
+
+    def __init__(self, config: FairQueueConfig | None = None) -> None:
+        self._config = config if config is not None else FairQueueConfig()
+        self._bands: dict[PriorityBand, _Band[P]] = {band: _Band(band) for band in _BANDS}
+        self._tenants: dict[str, _Tenant] = {}
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(band.num_entries for band in self._bands.values())
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def counter(self, tenant_id: str) -> float | None:
+        """The tenant's virtual counter, or None when it has none (new, or dropped when idle)."""
+        state = self._tenants.get(tenant_id)
+        return state.counter if state is not None else None
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """A copy of every counter kept (for metrics and tests)."""
+        return {tenant_id: state.counter for tenant_id, state in self._tenants.items()}
+
+    def floor(self, band: PriorityBand) -> float:
+        """The counter a tenant joining ``band`` now is lifted to (at least)."""
+        b = self._bands[band]
+        top = self._live_top(b.by_min, b, sign=1.0)
+        return top[0] if top is not None else b.last_floor
+
+    def entries(self) -> Iterator[QueueEntry[P]]:
+        """Every queued entry, best band first (tenants in no particular order)."""
+        for band in self._bands.values():
+            for queue in band.queues.values():
+                yield from queue
+
+    def expired(self, now: float) -> list[QueueEntry[P]]:
+        """Entries whose deadline is at or before ``now`` (still queued: the caller removes)."""
+        return [e for e in self.entries() if e.deadline is not None and e.deadline <= now]
+
+    # -- queueing --------------------------------------------------------------------------
+
+    def push(self, entry: QueueEntry[P]) -> None:
+        """Queue ``entry`` at the back of its tenant's queue, lifting the tenant's counter to
+        its band's floor if that queue was empty."""
+        band = self._bands[entry.band]
+        tenant_id = entry.tenant_id
+        queue = band.queues.get(tenant_id)
+        state = self._tenants.get(tenant_id)
+        if queue is None:
+            floor = self.floor(entry.band)  # before this tenant counts as backlogged here
+            if state is None:
+                state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
+            elif state.counter < floor:
+                self._set_counter(tenant_id, state, floor)
+            queue = band.queues[tenant_id] = deque()
+            self._index(band, tenant_id, state.counter)
+        assert state is not None  # a queued tenant always has a counter
+        state.band = entry.band
+        state.queued += 1
+        queue.append(entry)
+        band.num_entries += 1
+
+    def peek(self) -> QueueEntry[P] | None:
+        """The entry ``pop`` would return, without charging anyone."""
+        for band in self._bands.values():
+            top = self._live_top(band.by_min, band, sign=1.0)
+            if top is not None:
+                return band.queues[top[2]][0]
+        return None
+
+    def pop(self) -> QueueEntry[P]:
+        """Admit the next entry: best band first, then the smallest counter, FIFO per tenant.
+        Charges its prompt; the caller must ``finish`` it when the request ends."""
+        entry = self.peek()
+        if entry is None:
+            raise IndexError("pop from an empty FairQueue")
+        self._take(entry)
+        state = self._tenants[entry.tenant_id]
+        state.in_service += 1
+        charge = self._config.w_in * entry.prompt_tokens / entry.weight
+        self._set_counter(entry.tenant_id, state, state.counter + charge)
+        self._left_queue(entry)
+        return entry
+
+    def remove(self, entry: QueueEntry[P]) -> bool:
+        """Take a still-queued entry out (its client left, its deadline passed, it was shed).
+        Nobody is charged. False when it was not queued (already popped or removed)."""
+        queue = self._bands[entry.band].queues.get(entry.tenant_id)
+        if queue is None or not any(e is entry for e in queue):
+            return False
+        self._take(entry)
+        self._left_queue(entry)
+        return True
+
+    def charge_output(self, tenant_id: str, weight: float, tokens: int) -> None:
+        """Charge output tokens of an admitted request as they stream. A tenant without a
+        counter (only possible after ``finish``) is not charged: it is at or below the floor."""
+        state = self._tenants.get(tenant_id)
+        if state is None or tokens <= 0:
+            return
+        if not weight > 0:
+            raise ValueError(f"charge_output: weight must be > 0, got {weight}")
+        self._set_counter(tenant_id, state, state.counter + self._config.w_out * tokens / weight)
+
+    def finish(self, entry: QueueEntry[P]) -> None:
+        """The popped ``entry``'s request ended: no more charges will come for it."""
+        state = self._tenants.get(entry.tenant_id)
+        if state is None or state.in_service == 0:
+            raise ValueError(f"finish() of tenant {entry.tenant_id!r} without a matching pop()")
+        state.in_service -= 1
+        self._maybe_idle(entry.tenant_id, state)
+
+    # -- shedding --------------------------------------------------------------------------
+
+    def shed_candidate(self) -> QueueEntry[P] | None:
+        """The entry to drop first when the queue is full: worst band, then the tenant with the
+        largest counter (most over its fair share), then its newest entry."""
+        for band in reversed(self._bands.values()):
+            top = self._live_top(band.by_max, band, sign=-1.0)
+            if top is not None:
+                return band.queues[top[2]][-1]
+        return None
+
+    def shed_for(self, tenant_id: str, band: PriorityBand) -> QueueEntry[P] | None:
+        """The entry a newcomer of ``tenant_id`` in ``band`` displaces from a full queue, or None
+        when the newcomer is not strictly better than ``shed_candidate()`` (it is shed itself).
+        Better: a better band, or the same band and a smaller counter after its lift."""
+        candidate = self.shed_candidate()
+        if candidate is None or band.rank > candidate.band.rank:
+            return None
+        if band.rank < candidate.band.rank:
+            return candidate
+        state = self._tenants.get(tenant_id)
+        newcomer = self.floor(band)
+        if state is not None:
+            newcomer = max(newcomer, state.counter)
+        return candidate if newcomer < self._tenants[candidate.tenant_id].counter else None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _take(self, entry: QueueEntry[P]) -> None:
+        band = self._bands[entry.band]
+        queue = band.queues[entry.tenant_id]
+        if queue[0] is entry:
+            queue.popleft()
+        else:
+            queue.remove(entry)  # identity: QueueEntry compares with eq=False
+        band.num_entries -= 1
+        self._tenants[entry.tenant_id].queued -= 1
+        if not queue:
+            del band.queues[entry.tenant_id]
+
+    def _left_queue(self, entry: QueueEntry[P]) -> None:
+        """After ``entry`` left its queue (popped, and charged, or removed)."""
+        band = self._bands[entry.band]
+        state = self._tenants[entry.tenant_id]
+        if not band.queues:
+            # VTC's floor for an empty queue: the last tenant to leave it, as it left.
+            band.last_floor = max(band.last_floor, state.counter)
+        self._maybe_idle(entry.tenant_id, state)
+        self._prune(band)  # its floor may have risen
+
+    def _maybe_idle(self, tenant_id: str, state: _Tenant) -> None:
+        if state.queued == 0 and state.in_service == 0 and state.listed_in is not state.band:
+            self._list_idle(tenant_id, state)
+        self._prune(self._bands[state.band])
+
+    def _list_idle(self, tenant_id: str, state: _Tenant) -> None:
+        state.listed_in = state.band
+        item = (state.counter, next(self._seq), tenant_id)
+        heapq.heappush(self._bands[state.band].idle, item)
+
+    def _prune(self, band: _Band[P]) -> None:
+        """Drop the counters of idle tenants of ``band`` that are at or below its floor."""
+        floor = self.floor(band.name)
+        while band.idle and band.idle[0][0] <= floor:
+            _, _, tenant_id = heapq.heappop(band.idle)
+            state = self._tenants.get(tenant_id)
+            if state is None or state.listed_in is not band.name:
+                continue  # dropped already, or listed in another band since
+            state.listed_in = None
+            if state.queued or state.in_service:
+                continue  # busy again: listed anew when it next goes idle
+            if state.band is not band.name or state.counter > floor:
+                # Moved band, or charged after going idle: list it where it stands now.
+                self._list_idle(tenant_id, state)
+            else:
+                del self._tenants[tenant_id]
+
+    def _set_counter(self, tenant_id: str, state: _Tenant, value: float) -> None:
+        state.counter = value
+        for band in self._bands.values():
+            if tenant_id in band.queues:
+                self._index(band, tenant_id, value)
+
+    def _index(self, band: _Band[P], tenant_id: str, counter: float) -> None:
+        seq = next(self._seq)
+        heapq.heappush(band.by_min, (counter, seq, tenant_id))
+        heapq.heappush(band.by_max, (-counter, seq, tenant_id))
+        # Stale items pile up with every charge; rebuild once they outnumber the live ones.
+        if len(band.by_min) > 2 * len(band.queues) + 64:
+            live = [(self._tenants[t].counter, next(self._seq), t) for t in band.queues]
+            band.by_min = live
+            band.by_max = [(-c, s, t) for c, s, t in live]
+            heapq.heapify(band.by_min)
+            heapq.heapify(band.by_max)
+
+    def _live_top(
+        self, heap: list[tuple[float, int, str]], band: _Band[P], sign: float
+    ) -> tuple[float, int, str] | None:
+        """The heap's top after discarding stale items, with the counter's sign restored."""
+        while heap:
+            key, seq, tenant_id = heap[0]
+            state = self._tenants.get(tenant_id)
+            if tenant_id in band.queues and state is not None and state.counter == sign * key:
+                return sign * key, seq, tenant_id
+            heapq.heappop(heap)
+        return None

@@ -1,0 +1,205 @@
+"""The in-process quota store: one gateway, no shared state, the semantics of ``admission.quota``.
+
+Also home of the bucket arithmetic both stores share once the levels are known (the snapshot
+and the choice of denial), so the Redis store's Lua script only has to return raw levels.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from uuid import uuid4
+
+from admission.plans import QuotaLimits
+from admission.quota import Denial, LimitKind, QuotaSnapshot, Reservation
+
+SECONDS_PER_MINUTE = 60.0
+
+
+def refill_wait_s(level: float, need: float, capacity: int) -> float | None:
+    """Seconds until a bucket of ``capacity`` per minute holds ``need``: 0 when it already does,
+    ``None`` when it never will (``need`` above the capacity, or a zero-capacity bucket)."""
+    if level >= need:
+        return 0.0
+    if need > capacity or capacity == 0:
+        return None
+    return (need - level) * SECONDS_PER_MINUTE / capacity
+
+
+def snapshot_from_levels(
+    limits: QuotaLimits, token_level: float, request_level: float, concurrent: int
+) -> QuotaSnapshot:
+    """The header view of raw bucket levels (levels of unlimited buckets are ignored)."""
+    return QuotaSnapshot(
+        limit_requests=limits.rpm,
+        remaining_requests=_remaining(limits.rpm, request_level),
+        reset_requests_s=_reset_s(limits.rpm, request_level),
+        limit_tokens=limits.tpm,
+        remaining_tokens=_remaining(limits.tpm, token_level),
+        reset_tokens_s=_reset_s(limits.tpm, token_level),
+        concurrent=concurrent,
+    )
+
+
+def pick_denial(
+    failures: list[tuple[LimitKind, float | None]], snapshot: QuotaSnapshot
+) -> Denial | None:
+    """The denial for the failed limits, or ``None`` when none failed.
+
+    The longest wait wins, since the reservation needs every limit to pass at once; ``None``
+    (never) is longer than any wait. Ties go to the first failure, in tokens, requests,
+    concurrency order.
+    """
+    if not failures:
+        return None
+    limit, retry = max(failures, key=lambda f: math.inf if f[1] is None else f[1])
+    return Denial(limit=limit, retry_after_s=retry, snapshot=snapshot)
+
+
+def _remaining(capacity: int | None, level: float) -> int | None:
+    if capacity is None:
+        return None
+    return max(0, math.floor(level))
+
+
+def _reset_s(capacity: int | None, level: float) -> float:
+    if capacity is None or level >= capacity:
+        return 0.0
+    return (capacity - level) * SECONDS_PER_MINUTE / capacity
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    level: float
+    at: float
+
+    def level_now(self, capacity: int, now: float) -> float:
+        # min() also trims a level left above a capacity that has since been lowered.
+        elapsed = max(0.0, now - self.at)
+        return min(float(capacity), self.level + elapsed * capacity / SECONDS_PER_MINUTE)
+
+
+@dataclass(slots=True)
+class _Tenant:
+    tokens: _Bucket | None = None
+    requests: _Bucket | None = None
+    holds: dict[str, float] = field(default_factory=dict)
+    """Reservation id -> expiry on the store's clock."""
+
+
+def _level(bucket: _Bucket | None, capacity: int | None, now: float) -> float:
+    """A missing bucket is a full one: buckets start full and are only stored once touched."""
+    if capacity is None:
+        return 0.0
+    if bucket is None:
+        return float(capacity)
+    return bucket.level_now(capacity, now)
+
+
+class MemoryQuotaStore:
+    """``QuotaStore`` in this process. Safe under asyncio because no method awaits between
+    reading and writing a tenant's counters."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tenants: dict[str, _Tenant] = {}
+
+    async def reserve(
+        self, tenant_id: str, limits: QuotaLimits, tokens: int, hold_s: float
+    ) -> Reservation | Denial:
+        """Atomically take one request, ``tokens`` tokens and a concurrency hold that expires
+        after ``hold_s`` seconds, or nothing."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        now = self._clock()
+        tenant = self._tenants.setdefault(tenant_id, _Tenant())
+        _drop_expired(tenant, now)
+        token_level = _level(tenant.tokens, limits.tpm, now)
+        request_level = _level(tenant.requests, limits.rpm, now)
+
+        failures: list[tuple[LimitKind, float | None]] = []
+        if limits.tpm is not None:
+            wait = refill_wait_s(token_level, tokens, limits.tpm)
+            if wait != 0.0:
+                failures.append((LimitKind.TOKENS, wait))
+        if limits.rpm is not None:
+            wait = refill_wait_s(request_level, 1, limits.rpm)
+            if wait != 0.0:
+                failures.append((LimitKind.REQUESTS, wait))
+        if limits.max_concurrent is not None and len(tenant.holds) >= limits.max_concurrent:
+            wait = _hold_wait_s(list(tenant.holds.values()), limits.max_concurrent, now)
+            failures.append((LimitKind.CONCURRENCY, wait))
+        denial = pick_denial(
+            failures,
+            snapshot_from_levels(limits, token_level, request_level, len(tenant.holds)),
+        )
+        if denial is not None:
+            return denial
+
+        if limits.tpm is not None:
+            token_level -= tokens
+            tenant.tokens = _Bucket(token_level, now)
+        if limits.rpm is not None:
+            request_level -= 1
+            tenant.requests = _Bucket(request_level, now)
+        # Holds are kept even without a concurrency limit: the snapshot reports them.
+        reservation_id = uuid4().hex
+        tenant.holds[reservation_id] = now + hold_s
+        return Reservation(
+            tenant_id=tenant_id,
+            reservation_id=reservation_id,
+            tokens=tokens,
+            snapshot=snapshot_from_levels(limits, token_level, request_level, len(tenant.holds)),
+        )
+
+    async def reconcile(
+        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int
+    ) -> None:
+        """Settle a reservation against real usage and release its concurrency hold."""
+        if used_tokens < 0:
+            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
+        now = self._clock()
+        tenant = self._tenants.setdefault(reservation.tenant_id, _Tenant())
+        tenant.holds.pop(reservation.reservation_id, None)
+        refund = reservation.tokens - used_tokens
+        # Settled even when the hold already expired: a long request's real usage still counts.
+        if limits.tpm is not None and refund != 0:
+            level = min(float(limits.tpm), _level(tenant.tokens, limits.tpm, now) + refund)
+            tenant.tokens = _Bucket(level, now)
+
+    async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:
+        """The tenant's current state, without taking anything."""
+        now = self._clock()
+        tenant = self._tenants.get(tenant_id) or _Tenant()
+        return snapshot_from_levels(
+            limits,
+            _level(tenant.tokens, limits.tpm, now),
+            _level(tenant.requests, limits.rpm, now),
+            sum(1 for expiry in tenant.holds.values() if expiry > now),
+        )
+
+    async def forget(self, tenant_id: str) -> None:
+        """Drop every counter of a deleted tenant."""
+        self._tenants.pop(tenant_id, None)
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+def _drop_expired(tenant: _Tenant, now: float) -> None:
+    expired = [rid for rid, expiry in tenant.holds.items() if expiry <= now]
+    for rid in expired:
+        del tenant.holds[rid]
+
+
+def _hold_wait_s(expiries: list[float], max_concurrent: int, now: float) -> float | None:
+    """Until enough live holds expire to leave one slot free (several must go when the limit was
+    lowered below the live holds); ``None`` for a zero limit. Reconciles usually free one sooner."""
+    if max_concurrent == 0:
+        return None
+    expiries = sorted(expiries)
+    return expiries[len(expiries) - max_concurrent] - now

@@ -1,0 +1,191 @@
+"""Who is calling: tenant keys on the OpenAI routes, the admin credential on ``/admin``.
+
+Key lookups are cached for ``cache_ttl_s`` (default 0.5 s), so a revoked key or a changed plan
+takes effect on every replica within a second while the store sees at most a couple of lookups
+per key per second. Last-used times are collected in memory and written in batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from admission.plans import Plan
+from admission.quota import StoreUnavailable
+from admission.registry import TenantRegistry
+from admission.tenants import ApiKey, Tenant, hash_key
+from core.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
+
+log = logging.getLogger("tandem.auth")
+
+ANONYMOUS = Tenant(
+    tenant_id="anonymous", name="anonymous", plan=Plan(), created_at=0.0, updated_at=0.0
+)
+"""The tenant of every request when authentication is switched off (local development)."""
+
+_MAX_CACHED_KEYS = 100_000
+# While the store is down, a key seen recently keeps working for this long.
+_STALE_GRACE_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated client."""
+
+    tenant: Tenant
+    key: ApiKey | None
+    """``None`` for the anonymous tenant."""
+
+
+@dataclass(slots=True)
+class _Cached:
+    found: tuple[ApiKey, Tenant] | None
+    fetched_at: float
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer ...`` header."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class Authenticator:
+    """Resolves API keys to tenants; ``start()``/``aclose()`` own the last-used writer."""
+
+    def __init__(
+        self,
+        registry: TenantRegistry,
+        *,
+        required: bool = True,
+        cache_ttl_s: float = 0.5,
+        touch_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._required = required
+        self._cache_ttl_s = cache_ttl_s
+        self._touch_interval_s = touch_interval_s
+        self._clock = clock
+        self._cache: dict[str, _Cached] = {}
+        self._last_used: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._touch_loop(), name="tandem-key-last-used")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._flush_last_used()
+
+    async def authenticate(self, authorization: str | None) -> Caller:
+        """The caller behind an ``Authorization`` header, or 401."""
+        token = bearer_token(authorization)
+        if not self._required:
+            found = await self._lookup(token) if token else None
+            if found is None or found[0].is_revoked:
+                return Caller(ANONYMOUS, None)
+            return self._accept(*found)
+        if token is None:
+            raise AuthenticationError(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
+                "(the OpenAI SDKs do this with api_key=...).",
+                code="missing_api_key",
+            )
+        found = await self._lookup(token)
+        if found is None:
+            raise AuthenticationError(
+                f"Incorrect API key provided: {_redact(token)}. Ask your Tandem admin for a key.",
+            )
+        if found[0].is_revoked:
+            raise AuthenticationError(
+                f"The API key {found[0].display_prefix}... was revoked. Use another key.",
+                code="revoked_api_key",
+            )
+        return self._accept(*found)
+
+    async def is_tenant_key(self, token: str) -> bool:
+        """Whether ``token`` is a tenant's key (to tell 403 from 401 on the admin API)."""
+        return await self._lookup(token) is not None
+
+    def _accept(self, key: ApiKey, tenant: Tenant) -> Caller:
+        self._last_used[key.key_id] = time.time()
+        return Caller(tenant, key)
+
+    async def _lookup(self, token: str) -> tuple[ApiKey, Tenant] | None:
+        digest = hash_key(token)
+        now = self._clock()
+        cached = self._cache.get(digest)
+        if cached is not None and now - cached.fetched_at < self._cache_ttl_s:
+            return cached.found
+        try:
+            found = await self._registry.lookup_key(digest)
+        except StoreUnavailable as exc:
+            if cached is not None and now - cached.fetched_at < _STALE_GRACE_S:
+                return cached.found
+            raise StoreUnavailableError(
+                "API keys cannot be checked right now; retry shortly.", retry_after_s=2.0
+            ) from exc
+        if len(self._cache) >= _MAX_CACHED_KEYS:
+            self._cache.clear()  # crude but bounded: a flood of random keys cannot grow it
+        self._cache[digest] = _Cached(found, now)
+        return found
+
+    async def _touch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._touch_interval_s)
+            await self._flush_last_used()
+
+    async def _flush_last_used(self) -> None:
+        if not self._last_used:
+            return
+        batch, self._last_used = self._last_used, {}
+        try:
+            await self._registry.touch_keys(batch)
+        except StoreUnavailable as exc:
+            log.warning("could not record keys' last use (%s); will retry", exc)
+            for key_id, when in batch.items():
+                self._last_used[key_id] = max(when, self._last_used.get(key_id, 0.0))
+
+
+class AdminAuth:
+    """The admin credential: a tenant key is never accepted on ``/admin``."""
+
+    def __init__(self, admin_key: str | None, authenticator: Authenticator) -> None:
+        self._admin_key = admin_key
+        self._authenticator = authenticator
+
+    async def check(self, authorization: str | None) -> None:
+        """Pass for the admin key; 403 for a tenant key; 401 otherwise."""
+        token = bearer_token(authorization)
+        if self._admin_key is None:
+            raise AuthenticationError(
+                "The admin API is closed: this gateway was started without an admin key "
+                "(set TANDEM_ADMIN_KEY).",
+                code="admin_api_disabled",
+            )
+        if token is not None and secrets.compare_digest(token, self._admin_key):
+            return
+        if token is not None and await self._authenticator.is_tenant_key(token):
+            raise PermissionDeniedError(
+                "Tenant API keys cannot use the admin API; use the admin key "
+                "(TANDEM_ADMIN_KEY, or the file named in the gateway's startup log)."
+            )
+        raise AuthenticationError(
+            "The admin API needs 'Authorization: Bearer ADMIN_KEY'.", code="invalid_admin_key"
+        )
+
+
+def _redact(token: str) -> str:
+    return f"{token[:6]}...{token[-4:]}" if len(token) > 12 else "***"

@@ -1,0 +1,234 @@
+"""The admin API, ``/admin/v1/...``: tenants, plans, keys and live usage.
+
+Guarded by the admin credential (a tenant key gets 403). Changes are written to the registry;
+every replica's key cache expires within a second, so they take effect everywhere by then.
+A tenant can be named by its id or its name in every path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Header
+from fastapi import Request as HttpRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+from admission.controller import AdmissionController
+from admission.plan_codec import key_to_dict, plan_to_dict, tenant_to_dict
+from admission.plans import Plan, PriorityBand
+from admission.quota import StoreUnavailable
+from admission.registry import (
+    TenantExistsError,
+    TenantRegistry,
+    UnknownKeyError,
+    UnknownTenantError,
+)
+from admission.tenants import Tenant
+from core.errors import ConflictError, NotFoundError, StoreUnavailableError
+from gateway.auth import AdminAuth
+
+T = TypeVar("T")
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+Limit = Annotated[int, Field(ge=1)] | None
+
+
+class PlanFields(BaseModel):
+    """Plan fields; in an update, an omitted field keeps its value and ``null`` means unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tpm: Limit = None
+    """Tokens per minute (prompt + output)."""
+    rpm: Limit = None
+    """Requests per minute."""
+    max_concurrent: Limit = None
+    """Requests running or queued at once."""
+    max_prompt_tokens: Limit = None
+    """Largest prompt per request."""
+    max_output_tokens: Limit = None
+    """Largest max_tokens per request."""
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    """Fair-share weight under contention."""
+    band: PriorityBand = PriorityBand.STANDARD
+    """interactive, standard or batch."""
+
+    def apply_to(self, plan: Plan) -> Plan:
+        changed = self.model_fields_set & set(PlanFields.model_fields)
+        values = plan_to_dict(plan) | self.model_dump(include=changed)
+        return Plan(**{**values, "band": PriorityBand(values["band"])})
+
+
+class TenantCreate(PlanFields):
+    """``POST /admin/v1/tenants``."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    """Unique; lowercase letters, digits, ``-`` and ``_``."""
+
+
+class KeyCreate(BaseModel):
+    """``POST /admin/v1/tenants/{tenant}/keys``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=100)] = "default"
+    """A label to tell keys apart."""
+
+
+async def require_admin(
+    http_request: HttpRequest, authorization: Annotated[str | None, Header()] = None
+) -> None:
+    admin: AdminAuth = http_request.app.state.admin_auth
+    await admin.check(authorization)
+
+
+def get_registry(http_request: HttpRequest) -> TenantRegistry:
+    registry: TenantRegistry = http_request.app.state.registry
+    return registry
+
+
+def get_controller(http_request: HttpRequest) -> AdmissionController:
+    controller: AdmissionController = http_request.app.state.admission
+    return controller
+
+
+RegistryDep = Annotated[TenantRegistry, Depends(get_registry)]
+router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: TenantCreate, registry: RegistryDep) -> dict[str, Any]:
+    """Create a tenant with a plan."""
+    plan = body.apply_to(Plan())
+    try:
+        tenant = await _store(registry.create_tenant(body.name, plan))
+    except TenantExistsError as exc:
+        raise ConflictError(
+            f"A tenant named '{body.name}' already exists.", code="tenant_exists", param="name"
+        ) from exc
+    return tenant_to_dict(tenant)
+
+
+@router.get("/tenants")
+async def list_tenants(registry: RegistryDep) -> dict[str, Any]:
+    """Every tenant, by name."""
+    tenants = await _store(registry.list_tenants())
+    return {"object": "list", "data": [tenant_to_dict(tenant) for tenant in tenants]}
+
+
+@router.get("/tenants/{tenant}")
+async def get_tenant(tenant: str, registry: RegistryDep) -> dict[str, Any]:
+    """One tenant."""
+    return tenant_to_dict(await _resolve(registry, tenant))
+
+
+@router.patch("/tenants/{tenant}")
+async def update_tenant(tenant: str, body: PlanFields, registry: RegistryDep) -> dict[str, Any]:
+    """Change quotas, weight or band; omitted fields keep their values."""
+    current = await _resolve(registry, tenant)
+    try:
+        updated = await _store(
+            registry.update_tenant(current.tenant_id, body.apply_to(current.plan))
+        )
+    except UnknownTenantError as exc:
+        raise _not_found(tenant) from exc
+    return tenant_to_dict(updated)
+
+
+@router.delete("/tenants/{tenant}")
+async def delete_tenant(
+    tenant: str,
+    registry: RegistryDep,
+    controller: Annotated[AdmissionController, Depends(get_controller)],
+) -> dict[str, Any]:
+    """Delete a tenant, its keys and its quota counters."""
+    current = await _resolve(registry, tenant)
+    try:
+        await _store(registry.delete_tenant(current.tenant_id))
+    except UnknownTenantError as exc:
+        raise _not_found(tenant) from exc
+    await _store(controller.forget(current.tenant_id))
+    return {"id": current.tenant_id, "object": "tenant", "deleted": True}
+
+
+@router.post("/tenants/{tenant}/keys", status_code=201)
+async def issue_key(
+    tenant: str, registry: RegistryDep, body: KeyCreate | None = None
+) -> dict[str, Any]:
+    """Issue a key. Its plaintext is in this response only: it is stored hashed."""
+    current = await _resolve(registry, tenant)
+    try:
+        issued = await _store(registry.issue_key(current.tenant_id, (body or KeyCreate()).name))
+    except UnknownTenantError as exc:
+        raise _not_found(tenant) from exc
+    return {**key_to_dict(issued.key), "key": issued.plaintext}
+
+
+@router.get("/tenants/{tenant}/keys")
+async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
+    """A tenant's keys (never their secrets), revoked ones included."""
+    current = await _resolve(registry, tenant)
+    keys = await _store(registry.list_keys(current.tenant_id))
+    return {"object": "list", "data": [key_to_dict(key) for key in keys]}
+
+
+@router.post("/keys/{key_id}/revoke")
+async def revoke_key(key_id: str, registry: RegistryDep) -> dict[str, Any]:
+    """Revoke a key; requests with it get 401 on every replica within a second."""
+    try:
+        key = await _store(registry.revoke_key(key_id))
+    except UnknownKeyError as exc:
+        raise NotFoundError(f"No API key with id '{key_id}'.", param="key_id") from exc
+    return key_to_dict(key)
+
+
+@router.get("/tenants/{tenant}/usage")
+async def tenant_usage(
+    tenant: str,
+    registry: RegistryDep,
+    controller: Annotated[AdmissionController, Depends(get_controller)],
+) -> dict[str, Any]:
+    """Live quota state: limits, what remains now, when buckets are full again, requests in
+    flight (all replicas) and queued (this replica)."""
+    current = await _resolve(registry, tenant)
+    snapshot = await _store(controller.snapshot(current))
+    return {
+        "tenant_id": current.tenant_id,
+        "name": current.name,
+        "plan": plan_to_dict(current.plan),
+        "requests": {
+            "limit_per_minute": snapshot.limit_requests,
+            "remaining": snapshot.remaining_requests,
+            "reset_s": round(snapshot.reset_requests_s, 3),
+        },
+        "tokens": {
+            "limit_per_minute": snapshot.limit_tokens,
+            "remaining": snapshot.remaining_tokens,
+            "reset_s": round(snapshot.reset_tokens_s, 3),
+        },
+        "concurrent": snapshot.concurrent,
+        "queued_here": controller.num_queued(current.tenant_id),
+    }
+
+
+async def _resolve(registry: TenantRegistry, ref: str) -> Tenant:
+    tenant = await _store(registry.get_tenant(ref))
+    if tenant is None:
+        tenant = await _store(registry.find_tenant(ref))
+    if tenant is None:
+        raise _not_found(ref)
+    return tenant
+
+
+async def _store(operation: Awaitable[T]) -> T:
+    """Await a registry or quota call; an unreachable store is a 503, not a 500."""
+    try:
+        return await operation
+    except StoreUnavailable as exc:
+        raise StoreUnavailableError(
+            "The tenant store is unavailable; retry shortly.", retry_after_s=2.0
+        ) from exc
+
+
+def _not_found(ref: str) -> NotFoundError:
+    return NotFoundError(f"No tenant with id or name '{ref}'.", param="tenant")

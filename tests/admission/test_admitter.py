@@ -1,0 +1,370 @@
+"""Admitter: immediate admission, fair queueing, shedding, deadlines, cancellation, capacity
+growth, shutdown, starvation. A fake capacity signal and a fake clock; real asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from admission.admitter import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    AdmissionConfig,
+    AdmissionSlot,
+    Admitter,
+)
+from admission.fair_queue import FairQueueConfig
+from admission.plans import PriorityBand
+from core.errors import OverloadedError
+
+STANDARD = PriorityBand.STANDARD
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeCapacity:
+    """A capacity signal a test sets by hand."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def capacity(self) -> int:
+        return self.value
+
+
+class Harness:
+    def __init__(self, admitter: Admitter, capacity: FakeCapacity, clock: FakeClock) -> None:
+        self.admitter = admitter
+        self.capacity = capacity
+        self.clock = clock
+        self.order: list[str] = []
+        self.tasks: list[asyncio.Task[AdmissionSlot]] = []
+
+    def waiter(
+        self,
+        name: str,
+        tenant: str,
+        band: PriorityBand = STANDARD,
+        *,
+        prompt: int = 10,
+        deadline: float | None = None,
+    ) -> asyncio.Task[AdmissionSlot]:
+        """A request waiting for admission; it records its name in ``order`` when admitted."""
+
+        async def wait() -> AdmissionSlot:
+            slot = await self.admitter.admit(tenant, 1.0, band, prompt, deadline)
+            self.order.append(name)
+            return slot
+
+        task = asyncio.create_task(wait(), name=name)
+        self.tasks.append(task)
+        return task
+
+    async def admit(self, tenant: str, band: PriorityBand = STANDARD) -> AdmissionSlot:
+        return await self.admitter.admit(tenant, 1.0, band, 10, None)
+
+
+MakeHarness = Callable[..., Coroutine[Any, Any, Harness]]
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[MakeHarness]:
+    """Build started admitters (closed, with their waiters, at teardown)."""
+    harnesses: list[Harness] = []
+
+    async def build(
+        capacity: int = 1, max_queue: int = 8, poll_interval_s: float = 60.0
+    ) -> Harness:
+        # A long poll interval by default: tests drive polls by hand unless they test the loop.
+        config = AdmissionConfig(
+            max_queue=max_queue,
+            max_in_flight=capacity,
+            default_queue_timeout_s=30.0,
+            poll_interval_s=poll_interval_s,
+        )
+        signal, clock = FakeCapacity(capacity), FakeClock()
+        admitter = Admitter(config, signal, FairQueueConfig(), clock=clock)
+        await admitter.start()
+        harness = Harness(admitter, signal, clock)
+        harnesses.append(harness)
+        return harness
+
+    yield build
+    for harness in harnesses:
+        await harness.admitter.aclose()
+        await asyncio.gather(*harness.tasks, return_exceptions=True)
+
+
+async def release_in_turn(tasks: list[asyncio.Task[AdmissionSlot]]) -> list[AdmissionSlot]:
+    """Release each waiter's slot as soon as it is admitted, until all are; the slots."""
+    slots: list[AdmissionSlot] = []
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(
+            pending, timeout=5.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        assert done, "nobody was admitted although capacity was released"
+        for task in done:
+            slots.append(task.result())
+            slots[-1].release()
+    return slots
+
+
+async def settle() -> None:
+    """Let every ready task run (a few loop iterations)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_admits_at_once_when_capacity_is_free(make: MakeHarness) -> None:
+    h = await make(capacity=2)
+    slot = await h.admit("a")
+    assert slot.queue_wait_s == 0.0
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (1, 0)
+    assert h.admitter.fair_queue.counter("a") == pytest.approx(10.0)  # prompt charged
+    slot.charge_output(5)
+    assert h.admitter.fair_queue.counter("a") == pytest.approx(20.0)
+    slot.release()
+    slot.release()  # idempotent
+    assert h.admitter.num_in_flight == 0
+    with await h.admit("a") as held:
+        assert h.admitter.num_in_flight == 1 and not held.released
+    assert h.admitter.num_in_flight == 0 and held.released
+
+
+async def test_queues_when_full_and_release_dispatches_in_fair_order(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    for i in range(3):
+        h.waiter(f"a{i}", "a")
+    h.waiter("b0", "b")
+    await settle()
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (1, 4)
+    assert h.order == []
+
+    h.clock.advance(2.5)
+    holder.release()
+    first = await asyncio.wait_for(h.tasks[0], timeout=5.0)
+    assert first.queue_wait_s == pytest.approx(2.5)  # a0 was at the head, since t=0
+    first.release()
+    await release_in_turn(h.tasks[1:])
+    # Not FIFO (a0 a1 a2 b0): b gets its turn before a's second queued request.
+    assert h.order.index("b0") < h.order.index("a1")
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (0, 0)
+
+
+async def test_a_newcomer_never_jumps_the_queue(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    first = h.waiter("first", "b")
+    await settle()
+    h.capacity.value = 2  # capacity grew; no poll has noticed yet
+    late = h.waiter("late", "c")
+    await settle()
+    assert first.done() and not late.done()
+    assert h.order == ["first"]
+    holder.release()
+    (await first).release()
+    (await late).release()
+
+
+async def test_full_queue_sheds_the_newcomer(make: MakeHarness) -> None:
+    h = await make(capacity=1, max_queue=2)
+    holder = await h.admit("a")
+    queued = [h.waiter(f"a{i}", "a") for i in range(2)]
+    await settle()
+    with pytest.raises(OverloadedError, match="queue is full") as shed:
+        await h.admit("a")
+    assert shed.value.status_code == 503
+    assert shed.value.retry_after_s is not None
+    assert RETRY_AFTER_MIN_S <= shed.value.retry_after_s <= RETRY_AFTER_MAX_S
+    assert h.admitter.num_queued == 2
+    holder.release()
+    for task in queued:
+        (await task).release()
+
+
+async def test_a_better_band_newcomer_evicts_a_batch_entry(make: MakeHarness) -> None:
+    h = await make(capacity=1, max_queue=2)
+    holder = await h.admit("chat", PriorityBand.INTERACTIVE)
+    bulk_old = h.waiter("bulk-old", "bulk", PriorityBand.BATCH)
+    bulk_new = h.waiter("bulk-new", "bulk", PriorityBand.BATCH)
+    await settle()
+    chat = h.waiter("chat", "chat", PriorityBand.INTERACTIVE)
+    await settle()
+    with pytest.raises(OverloadedError, match="higher-priority") as shed:
+        await bulk_new  # the newest entry of the batch tenant is the one shed
+    assert shed.value.retry_after_s is not None
+    assert h.admitter.num_queued == 2
+    # Another batch newcomer is not better than the batch entry left: it is shed itself.
+    with pytest.raises(OverloadedError, match="queue is full"):
+        await h.admit("other-bulk", PriorityBand.BATCH)
+    holder.release()
+    (await chat).release()
+    (await bulk_old).release()
+    assert h.order == ["chat", "bulk-old"]
+
+
+async def test_deadline_passing_in_the_queue_fails_the_request(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    soon = h.waiter("soon", "a", deadline=h.clock.now + 5)
+    later = h.waiter("later", "b")  # no deadline: the default 30 s queue timeout
+    await settle()
+    h.clock.advance(5)
+    h.admitter.poll()
+    with pytest.raises(OverloadedError, match="before its deadline") as expired:
+        await soon
+    assert expired.value.retry_after_s is not None
+    assert h.admitter.num_queued == 1
+    h.clock.advance(25)
+    h.admitter.poll()
+    with pytest.raises(OverloadedError, match="before its deadline"):
+        await later
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (1, 0)
+    holder.release()
+
+
+async def test_an_expired_entry_is_not_admitted_when_capacity_frees(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    stale = h.waiter("stale", "a", deadline=h.clock.now + 1)
+    fresh = h.waiter("fresh", "b")
+    await settle()
+    h.clock.advance(2)  # no poll ran: the release finds the expired entry first
+    holder.release()
+    with pytest.raises(OverloadedError, match="before its deadline"):
+        await stale
+    (await fresh).release()
+    assert h.order == ["fresh"]
+
+
+async def test_a_deadline_already_past_fails_at_once(make: MakeHarness) -> None:
+    h = await make(capacity=5)
+    with pytest.raises(OverloadedError, match="deadline passed"):
+        await h.admitter.admit("a", 1.0, STANDARD, 10, deadline=h.clock.now)
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (0, 0)
+
+
+async def test_cancelling_a_queued_waiter_removes_it_at_once(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    gone = h.waiter("gone", "b")
+    stays = h.waiter("stays", "c")
+    await settle()
+    assert h.admitter.num_queued == 2
+    gone.cancel()
+    await asyncio.sleep(0)  # one step of the cancelled task; no poll, no release
+    assert h.admitter.num_queued == 1
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    holder.release()
+    (await stays).release()
+    assert h.order == ["stays"]
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (0, 0)
+
+
+async def test_a_slot_granted_as_the_waiter_is_cancelled_is_released(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    racing = h.waiter("racing", "b")
+    await settle()
+    holder.release()  # grants the slot to `racing`, which has not run yet...
+    assert h.admitter.num_in_flight == 1
+    racing.cancel()  # ...and its client leaves in the same instant
+    with pytest.raises(asyncio.CancelledError):
+        await racing
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (0, 0)
+    (await h.admit("c")).release()  # capacity is really free again
+
+
+async def test_capacity_growth_is_picked_up_by_the_poll_loop(make: MakeHarness) -> None:
+    h = await make(capacity=0, poll_interval_s=0.01)
+    waiters = [h.waiter(f"w{i}", f"t{i}") for i in range(3)]
+    await settle()
+    assert h.admitter.num_queued == 3
+    await asyncio.sleep(0.05)
+    assert not any(task.done() for task in waiters)  # the poll loop runs, capacity is 0
+    h.capacity.value = 2  # a worker became healthy: no request finished to notice it
+    pending, admitted = set(waiters), 0
+    while admitted < 2:
+        done, pending = await asyncio.wait(
+            pending, timeout=5.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        assert done, "the poll loop did not notice the new capacity"
+        admitted += len(done)
+    await settle()
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (2, 1)
+    await release_in_turn(waiters)
+
+
+async def test_aclose_fails_every_waiter_and_later_admissions(make: MakeHarness) -> None:
+    h = await make(capacity=1)
+    holder = await h.admit("a")
+    waiters = [h.waiter(f"w{i}", "b") for i in range(3)]
+    await settle()
+    await h.admitter.aclose()
+    for task in waiters:
+        with pytest.raises(OverloadedError, match="shutting down"):
+            await task
+    with pytest.raises(OverloadedError, match="shutting down"):
+        await h.admit("c")
+    holder.release()  # a slot granted before shutdown stays valid and releases cleanly
+    assert (h.admitter.num_in_flight, h.admitter.num_queued) == (0, 0)
+
+
+async def test_interleaved_tenants_are_all_admitted_without_starvation(make: MakeHarness) -> None:
+    h = await make(capacity=1, max_queue=64)
+    holder = await h.admit("heavy")
+    for i in range(20):
+        h.waiter(f"heavy-{i}", "heavy")
+    await settle()
+    for tenant in ("x", "y"):
+        for i in range(3):
+            h.waiter(f"{tenant}-{i}", tenant)
+    await settle()
+    holder.release()
+    await release_in_turn(h.tasks)
+    assert len(h.order) == 26
+    # The late light tenants are not stuck behind heavy's 20: they share turns with it.
+    first_ten = h.order[:10]
+    assert sum(name.startswith(("x", "y")) for name in first_ten) >= 6
+
+
+async def test_retry_after_grows_with_the_queue_and_a_stall_and_is_clamped(
+    make: MakeHarness,
+) -> None:
+    h = await make(capacity=1, max_queue=2)
+    h.clock.advance(10)
+    for _ in range(5):  # one admission a second
+        h.clock.advance(1)
+        (await h.admit("a")).release()
+    holder = await h.admit("a")
+    queued = [h.waiter(f"q{i}", "b") for i in range(2)]
+    await settle()
+    with pytest.raises(OverloadedError) as shed:
+        await h.admit("c")
+    assert shed.value.retry_after_s is not None
+    assert 1.0 <= shed.value.retry_after_s <= 10.0  # about 2 queued x a few s each
+    h.clock.advance(600)  # admissions stalled for 10 minutes
+    with pytest.raises(OverloadedError) as stalled:
+        await h.admit("c")
+    assert stalled.value.retry_after_s == RETRY_AFTER_MAX_S
+    holder.release()
+    for task in queued:  # their 30 s default queue timeout passed during the stall
+        with pytest.raises(OverloadedError, match="before its deadline"):
+            await task

@@ -1,0 +1,327 @@
+"""FairQueue (VTC with priority bands): ordering, lift, weights and the VTC bound, shedding,
+removal, and the memory bound on counters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from admission.fair_queue import FairQueue, FairQueueConfig, QueueEntry
+from admission.plans import PriorityBand
+
+INTERACTIVE = PriorityBand.INTERACTIVE
+STANDARD = PriorityBand.STANDARD
+BATCH = PriorityBand.BATCH
+
+
+def entry(
+    tenant: str,
+    band: PriorityBand = STANDARD,
+    *,
+    weight: float = 1.0,
+    prompt: int = 10,
+    deadline: float | None = None,
+    name: str = "",
+) -> QueueEntry[str]:
+    return QueueEntry(tenant, weight, band, prompt, 0.0, deadline, name or tenant)
+
+
+def pop_names(queue: FairQueue[str], n: int) -> list[str]:
+    """Pop ``n`` entries, finishing each at once, and return their payloads."""
+    names = []
+    for _ in range(n):
+        popped = queue.pop()
+        queue.finish(popped)
+        names.append(popped.payload)
+    return names
+
+
+def test_bands_are_served_strictly_in_order() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for band in (BATCH, STANDARD, INTERACTIVE):
+        queue.push(entry(f"t-{band}", band, name=str(band)))
+    assert len(queue) == 3
+    assert pop_names(queue, 3) == ["interactive", "standard", "batch"]
+    assert len(queue) == 0
+    assert queue.peek() is None
+    with pytest.raises(IndexError):
+        queue.pop()
+
+
+def test_smallest_counter_first_and_fifo_within_a_tenant() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for i in range(3):
+        queue.push(entry("a", name=f"a{i}"))
+    queue.push(entry("b", name="b0"))
+    queue.charge_output("a", 1.0, 1)  # a is now ahead of b in service: b goes first
+    assert pop_names(queue, 4) == ["b0", "a0", "a1", "a2"]
+
+
+def test_pop_charges_prompt_and_charge_output_charges_output() -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(w_in=1.0, w_out=2.0))
+    queue.push(entry("a", weight=2.0, prompt=100))
+    popped = queue.pop()
+    assert queue.counter("a") == pytest.approx(50.0)  # 1 x 100 / weight 2
+    queue.charge_output("a", 2.0, 10)
+    assert queue.counter("a") == pytest.approx(60.0)  # + 2 x 10 / 2
+    queue.finish(popped)
+
+
+def test_newcomer_is_lifted_to_the_backlog_minimum_no_banking_no_starving() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for i in range(20):
+        queue.push(entry("a", name=f"a{i}"))
+    pop_names(queue, 10)
+    assert queue.counter("a") == pytest.approx(100.0)
+
+    # b was idle all along: it does not get 100 tokens of head start over a (no banking)...
+    queue.push(entry("b", name="b0"))
+    queue.push(entry("b", name="b1"))
+    assert queue.counter("b") == pytest.approx(100.0)
+    # ...and is not starved behind a either: they alternate from now on.
+    order = pop_names(queue, 4)
+    assert sorted(order[:2]) == ["a10", "b0"]
+    assert sorted(order[2:]) == ["a11", "b1"]
+
+
+def test_returning_tenant_is_lifted_too() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a"))
+    for _ in range(30):
+        queue.push(entry("b"))
+    running = queue.pop()  # a at 10, still running (so its counter is kept), nothing queued
+    pop_names(queue, 20)  # b alone is served up to 200
+    queue.push(entry("a", name="a-back"))
+    assert queue.counter("a") == pytest.approx(200.0)
+    assert sorted(pop_names(queue, 2)) == ["a-back", "b"]  # no run of 19 a's
+    queue.finish(running)
+
+
+def test_lift_never_lowers_a_counter() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for _ in range(20):
+        queue.push(entry("a"))
+    queue.push(entry("b", prompt=500))
+    pop_names(queue, 3)  # a0, b (now at 500 and idle), a1: a stays backlogged at 20
+    queue.push(entry("b", name="b-back"))
+    # The floor is a's 20; b keeps its 500 and waits until a has caught up.
+    assert queue.counter("b") == pytest.approx(500.0)
+    assert set(pop_names(queue, 10)) == {"a"}
+
+
+def test_empty_band_lifts_newcomers_to_the_last_tenant_that_left() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a", prompt=300))
+    popped = queue.pop()  # the band is empty now; a still runs
+    assert queue.floor(STANDARD) == pytest.approx(300.0)
+    # A brand-new tenant starts at a's counter, not at 0 (else it would overtake a for 300).
+    queue.push(entry("new"))
+    assert queue.counter("new") == pytest.approx(300.0)
+    queue.finish(popped)
+
+
+def test_lift_looks_only_at_the_same_band() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("bulk", BATCH, prompt=10_000))
+    queue.push(entry("bulk", BATCH))
+    queue.pop()
+    assert queue.counter("bulk") == pytest.approx(10_000.0)
+    queue.push(entry("chat", INTERACTIVE))
+    assert queue.counter("chat") == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_weighted_share_and_vtc_bound_for_continuously_backlogged_tenants(seed: int) -> None:
+    rng = random.Random(seed)
+    config = FairQueueConfig(w_in=1.0, w_out=2.0)
+    queue: FairQueue[str] = FairQueue(config)
+    weights = {"heavy": 2.0, "light": 1.0}
+    service = dict.fromkeys(weights, 0.0)  # our own accounting, not the queue's counters
+    largest_charge = 0.0  # the largest single (prompt + output) cost / weight
+    for tenant, weight in weights.items():
+        for _ in range(2):
+            queue.push(entry(tenant, weight=weight, prompt=rng.randint(1, 200)))
+    for _ in range(3000):
+        popped = queue.pop()
+        tenant, weight = popped.tenant_id, popped.weight
+        output = rng.randint(1, 300)
+        queue.charge_output(tenant, weight, output)
+        queue.finish(popped)
+        cost = config.w_in * popped.prompt_tokens + config.w_out * output
+        service[tenant] += cost
+        largest_charge = max(largest_charge, cost / weight)
+        # Both tenants stay backlogged: each served request is replaced by a new one.
+        queue.push(entry(tenant, weight=weight, prompt=rng.randint(1, 200)))
+        gap = abs(service["heavy"] / 2.0 - service["light"] / 1.0)
+        assert gap <= 2 * largest_charge
+    assert service["heavy"] / service["light"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_shed_candidate_is_the_worst_band_then_the_largest_counter_then_newest() -> None:
+    queue: FairQueue[str] = FairQueue()
+    assert queue.shed_candidate() is None
+    queue.push(entry("chat", INTERACTIVE))
+    assert queue.shed_candidate() is not None
+    queue.push(entry("small", BATCH, name="small-0"))
+    queue.push(entry("big", BATCH, name="big-0"))
+    queue.push(entry("big", BATCH, name="big-1"))
+    queue.charge_output("big", 1.0, 100)  # big is over its share (it has requests running)
+    candidate = queue.shed_candidate()
+    assert candidate is not None and candidate.payload == "big-1"
+    queue.remove(candidate)
+    queue.remove(next(e for e in queue.entries() if e.payload == "big-0"))
+    candidate = queue.shed_candidate()
+    assert candidate is not None and candidate.payload == "small-0"
+
+
+def test_shed_for_only_displaces_for_a_strictly_better_newcomer() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("light", STANDARD, name="light-0"))
+    queue.push(entry("heavy", STANDARD, name="heavy-0"))
+    queue.push(entry("heavy", STANDARD, name="heavy-1"))
+    queue.charge_output("heavy", 1.0, 50)
+    victim = queue.shed_for("newcomer", STANDARD)  # lifted to light's 0 < heavy's 100
+    assert victim is not None and victim.payload == "heavy-1"
+    assert queue.shed_for("heavy", STANDARD) is None  # never better than itself
+    assert queue.shed_for("light", STANDARD) is victim  # at 0, under heavy's share
+    assert queue.shed_for("anyone", BATCH) is None  # worse band
+    victim = queue.shed_for("chat", INTERACTIVE)  # better band always wins
+    assert victim is not None and victim.payload == "heavy-1"
+
+
+def test_remove_takes_an_entry_out_without_charging() -> None:
+    queue: FairQueue[str] = FairQueue()
+    first, second, other = entry("a", name="a0"), entry("a", name="a1"), entry("b", name="b0")
+    for e in (first, second, other):
+        queue.push(e)
+    assert queue.remove(second)
+    assert not queue.remove(second)  # already gone
+    assert len(queue) == 2
+    assert queue.counter("a") == pytest.approx(0.0)
+    assert sorted(pop_names(queue, 2)) == ["a0", "b0"]
+    assert not queue.remove(first)  # popped
+
+
+def test_expired_lists_entries_past_their_deadline() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a", deadline=5.0, name="soon"))
+    queue.push(entry("a", deadline=50.0, name="later"))
+    queue.push(entry("b", deadline=None, name="never"))
+    assert queue.expired(4.9) == []
+    assert [e.payload for e in queue.expired(5.0)] == ["soon"]
+    assert len(queue) == 3  # listing does not remove
+
+
+def test_idle_counters_at_the_floor_are_dropped() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("steady", prompt=1))
+    for i in range(1000):
+        # A stream of one-off tenants, each served once and then gone for good...
+        queue.push(entry(f"once-{i}"))
+        popped = queue.pop() if i % 2 else None
+        if popped is not None:
+            queue.finish(popped)
+        # ...while "steady" stays backlogged and keeps the floor rising.
+        for _ in range(2):
+            if queue.peek() is not None:
+                queue.finish(queue.pop())
+        queue.push(entry("steady", prompt=1))
+    assert len(queue.counters) <= 3
+
+
+def test_a_tenant_that_moved_band_is_dropped_from_its_new_band() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("mover", STANDARD, prompt=50))
+    queue.push(entry("mover", STANDARD, prompt=50))
+    queue.finish(queue.pop())  # idle in standard? no: one still queued there
+    queue.push(entry("mover", BATCH, prompt=50))  # its plan changed to batch
+    queue.finish(queue.pop())  # standard drained: idle there no more, still queued in batch
+    queue.finish(queue.pop())  # now idle, last seen in batch
+    for _ in range(10):  # batch traffic lifts the batch floor past it
+        queue.push(entry("bulk", BATCH, prompt=100))
+        queue.push(entry("bulk", BATCH, prompt=100))
+        queue.finish(queue.pop())
+    assert queue.counter("mover") is None
+
+
+def test_a_running_tenant_keeps_its_counter_until_finished() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a"))
+    queue.push(entry("b"))
+    running = queue.pop()
+    assert running.tenant_id == "a"
+    queue.push(entry("b"))
+    # a is idle in the queue but still streaming: its output charges must count.
+    queue.charge_output("a", 1.0, 5)
+    assert queue.counter("a") == pytest.approx(20.0)
+    queue.finish(running)
+    with pytest.raises(ValueError, match="without a matching pop"):
+        queue.finish(running)
+
+
+def test_charge_output_of_a_dropped_tenant_is_ignored() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a"))
+    queue.finish(queue.pop())
+    queue.push(entry("b"))  # lifted to a's 10; a is idle at the floor
+    assert queue.counter("a") is None
+    queue.charge_output("a", 1.0, 100)
+    assert queue.counter("a") is None
+
+
+def test_invalid_entries_are_refused() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        entry("a", weight=0.0)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        entry("a", prompt=-1)
+
+
+def test_random_operations_keep_the_invariants() -> None:
+    """Against a plain model of the queue: the lazy heaps never pick the wrong tenant, and a
+    counter is never dropped while its tenant has anything queued or running."""
+    rng = random.Random(7)
+    queue: FairQueue[str] = FairQueue()
+    queued: list[QueueEntry[str]] = []  # the model: every queued entry, in push order
+    running: list[QueueEntry[str]] = []
+    tenants = [f"t{i}" for i in range(8)]
+    band_of = {t: list(PriorityBand)[i % 3] for i, t in enumerate(tenants)}
+    for step in range(5000):
+        op = rng.random()
+        if op < 0.4:
+            tenant = rng.choice(tenants)
+            if rng.random() < 0.05:  # plans change now and then: a tenant moves band
+                band_of[tenant] = rng.choice(list(PriorityBand))
+            e = entry(tenant, band_of[tenant], prompt=rng.randint(0, 50), name=str(step))
+            queue.push(e)
+            queued.append(e)
+        elif op < 0.65 and queued:
+            before = queue.counters
+            best = min(e.band.rank for e in queued)
+            in_band = [e for e in queued if e.band.rank == best]
+            popped = queue.pop()
+            assert popped.band.rank == best
+            assert before[popped.tenant_id] == min(before[e.tenant_id] for e in in_band)
+            assert popped is next(e for e in in_band if e.tenant_id == popped.tenant_id)
+            queued.remove(popped)
+            running.append(popped)
+        elif op < 0.75 and queued:
+            candidate = queue.shed_candidate()
+            assert candidate is not None
+            counters = queue.counters
+            worst = max(e.band.rank for e in queued)
+            in_band = [e for e in queued if e.band.rank == worst]
+            assert candidate.band.rank == worst
+            assert counters[candidate.tenant_id] == max(counters[e.tenant_id] for e in in_band)
+            assert candidate is [e for e in in_band if e.tenant_id == candidate.tenant_id][-1]
+            assert queue.remove(candidate)
+            queued.remove(candidate)
+        elif op < 0.9 and running:
+            e = rng.choice(running)
+            queue.charge_output(e.tenant_id, e.weight, rng.randint(1, 30))
+        elif running:
+            e = running.pop(rng.randrange(len(running)))
+            queue.finish(e)
+        assert len(queue) == len(queued)
+        busy = {e.tenant_id for e in queued + running}
+        assert busy <= queue.counters.keys()
