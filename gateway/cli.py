@@ -2,6 +2,7 @@
 
 tandem up                 prepare the model, boot a prefill and a decode worker, serve the gateway
 tandem model prepare      convert the model into a vLLM-loadable folder (idempotent)
+tandem admin ...          tenants, keys, quotas and usage over the admin API
 tandem version
 """
 
@@ -21,6 +22,7 @@ import uvicorn
 from rich.console import Console
 from rich.status import Status
 
+from gateway.cli_admin import add_admin_parser, run_admin
 from gateway.settings import TandemSettings
 from gateway.stack import Stack, prepare_model_in_subprocess
 from workers.model import ModelPreparationError, RichProgress, prepare_model
@@ -45,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"model ready: [bold]{prepared.path}[/] (served as {prepared.served_name})"
             )
             return 0
+        if args.command == "admin":
+            return run_admin(args)
         if args.command == "version":
             print("tandem 0.1.0")
             return 0
@@ -95,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled)")
     prepare.add_argument("--cache-dir", type=Path)
 
+    add_admin_parser(commands)
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -167,9 +172,15 @@ async def _up(settings: TandemSettings) -> int:
             )
         )
         base = f"http://{settings.host}:{settings.port}/v1"
+        key_hint = (
+            "api_key: any string (TANDEM_AUTH_REQUIRED=false)"
+            if not settings.auth_required
+            else "api_key: a tenant key from `tandem admin tenants create NAME` then "
+            "`tandem admin keys issue NAME`"
+        )
         console.print(
-            f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] "
-            f"(api_key: any string), model [bold]{stack.model.name}[/]. Ctrl-C stops everything.\n"
+            f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] ({key_hint}), "
+            f"model [bold]{stack.model.name}[/]. Ctrl-C stops everything.\n"
         )
         if not stopping.is_set():
             await server.serve()

@@ -101,8 +101,11 @@ async def completions(
 
 
 @router.get("/v1/models")
-async def list_models(pipeline: PipelineDep) -> dict[str, Any]:
-    """The served models, in OpenAI's list shape."""
+async def list_models(
+    http_request: HttpRequest, pipeline: PipelineDep, gate: GateDep
+) -> dict[str, Any]:
+    """The served models, in OpenAI's list shape (a key is needed, as on OpenAI)."""
+    await gate.authenticate(http_request.headers.get("authorization"))
     return {
         "object": "list",
         "data": [

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -15,17 +16,23 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from admission.controller import ControllerConfig, StoreFailurePolicy
 from core.messages import WorkerRole
 from decode_pool import DecodePool, decode_worker_specs
-from gateway.app import GatewayConfig, create_app
+from gateway.admin_key import load_or_create_admin_key
+from gateway.app import AccessConfig, GatewayConfig, create_app
+from gateway.gate import GateConfig
 from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
+from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from prefill_pool import PrefillPool, prefill_worker_specs
 from workers.model import ModelPreparationError, PreparedModel, find_prepared
 from workers.pool import PoolConfig, WorkerPool
 from workers.process import LaunchConfig, WorkerSpec
+
+log = logging.getLogger("tandem.gateway")
 
 
 def prepare_model_in_subprocess(source: Path | None, cache_dir: Path | None) -> PreparedModel:
@@ -74,6 +81,8 @@ class Stack:
     prefill: WorkerPool
     decode: WorkerPool
     model: ServedModel
+    model_dir: Path | None = None
+    """The prepared model folder (its tokenizer counts prompt tokens); None for external-only."""
 
     @classmethod
     def from_settings(cls, settings: TandemSettings, prepared: PreparedModel | None) -> Stack:
@@ -128,7 +137,13 @@ class Stack:
                 settings.decode_urls,
             )
         )
-        return cls(settings, prefill, decode, ServedModel(name, max_len, int(time.time())))
+        return cls(
+            settings,
+            prefill,
+            decode,
+            ServedModel(name, max_len, int(time.time())),
+            prepared.path if prepared else None,
+        )
 
     async def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Launch every managed worker and wait until all workers are healthy."""
@@ -161,5 +176,29 @@ class Stack:
             ),
             sse_ping_interval_s=settings.sse_ping_interval_s,
             decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
+            access=access_config(settings, self.model_dir),
         )
         return create_app(config, self.prefill, self.decode, [self.model])
+
+
+def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessConfig:
+    """Tenants, quotas and admission as the settings ask."""
+    if settings.admin_key is not None:
+        admin_key = settings.admin_key.get_secret_value()
+    else:
+        admin_key, path = load_or_create_admin_key(settings.state_dir)
+        log.info("admin API key: in %s (set TANDEM_ADMIN_KEY to choose your own)", path)
+    return AccessConfig(
+        auth_required=settings.auth_required,
+        admin_key=admin_key,
+        stores=StoreConfig(
+            redis_url=settings.redis_url,
+            sqlite_path=settings.state_dir / "tandem.db",
+            timeout_s=settings.store_timeout_s,
+        ),
+        controller=ControllerConfig(store_failure=StoreFailurePolicy(settings.quota_store_failure)),
+        max_queue=settings.max_queue,
+        max_in_flight_per_worker=settings.max_in_flight_per_worker,
+        gate=GateConfig(queue_timeout_s=settings.queue_timeout_s),
+        tokenizer_dir=model_dir,
+    )

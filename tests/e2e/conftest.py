@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 BOOT_TIMEOUT_S = 900.0
+ADMIN_KEY = "e2e-admin-key"
 MAX_MODEL_LEN = 1024  # small, so the context-length test needs only a modest prompt
 
 
@@ -32,6 +33,23 @@ class LiveStack:
     prefill_url: str
     decode_url: str
     max_model_len: int
+    api_key: str  # a key of the unlimited ``e2e`` tenant, created through the admin API
+
+    @property
+    def admin(self) -> httpx.Client:
+        """A client of the admin API (the caller closes it)."""
+        return httpx.Client(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+        )
+
+    def new_tenant(self, name: str, **plan: object) -> str:
+        """Create a tenant with ``plan``; return a key of it."""
+        with self.admin as admin:
+            created = admin.post("/admin/v1/tenants", json={"name": name, **plan})
+            assert created.status_code == 201, created.text
+            issued = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
+            assert issued.status_code == 201, issued.text
+            return str(issued.json()["key"])
 
 
 def _free_port_block(size: int) -> int:
@@ -64,6 +82,8 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         "TANDEM_ENFORCE_EAGER": "true",  # boots in about half the time; tests need no speed
         "TANDEM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
         "TANDEM_LOG_DIR": str(workdir / "logs"),
+        "TANDEM_STATE_DIR": str(workdir / "state"),
+        "TANDEM_ADMIN_KEY": ADMIN_KEY,
     }
     log_path = workdir / "tandem-up.log"
     with log_path.open("wb") as log:
@@ -77,8 +97,11 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         process.kill()
         raise
     workers = {w["role"]: w["url"] for w in ready["workers"]}
-    model = httpx.get(f"{gateway}/v1/models").json()["data"][0]["id"]
-    yield LiveStack(gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN)
+    stack = LiveStack(gateway, "", workers["prefill"], workers["decode"], MAX_MODEL_LEN, "")
+    api_key = stack.new_tenant("e2e")
+    models = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    model = models.json()["data"][0]["id"]
+    yield LiveStack(gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN, api_key)
 
     # Collected now, not at boot: workers restarted during the session must not linger either.
     descendants = psutil.Process(process.pid).children(recursive=True)
@@ -124,4 +147,6 @@ def _tail(path: Path, num_lines: int = 40) -> str:
 @pytest.fixture(scope="session")
 def client(live_stack: LiveStack) -> openai.OpenAI:
     # max_retries=0: a test must see the first answer, not a retried one.
-    return openai.OpenAI(base_url=f"{live_stack.base_url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{live_stack.base_url}/v1", api_key=live_stack.api_key, max_retries=0
+    )

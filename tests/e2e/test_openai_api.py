@@ -133,7 +133,10 @@ def test_bad_json_is_400(live_stack: LiveStack) -> None:
     response = httpx.post(
         f"{live_stack.base_url}/v1/chat/completions",
         content=b"{not json",
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {live_stack.api_key}",
+        },
     )
     error = _assert_openai_error(response, 400, None)
     assert error["type"] == "invalid_request_error"

@@ -6,10 +6,13 @@ The session's gateway stays untouched; these gateways share its vLLM workers.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,8 +20,9 @@ import pytest
 import uvicorn
 
 from core.messages import WorkerRole
-from gateway.app import GatewayConfig, create_app
+from gateway.app import AccessConfig, GatewayConfig, create_app
 from gateway.pipeline import ServedModel
+from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from tests.e2e.conftest import LiveStack, _free_port_block
 from workers.pool import PoolConfig, WorkerPool
@@ -32,6 +36,7 @@ QUESTION = [{"role": "user", "content": "Hi"}]
 def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[openai.OpenAI]:
     """A gateway on its own thread and event loop over external workers at these URLs."""
     port = _free_port_block(1)
+    state_dir = Path(tempfile.mkdtemp(prefix="tandem-e2e-"))
     started = threading.Event()
     stop = threading.Event()
 
@@ -43,7 +48,13 @@ def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[open
         for pool in pools:
             await pool.start()
         app = create_app(
-            GatewayConfig(upstream=UpstreamConfig()),
+            GatewayConfig(
+                upstream=UpstreamConfig(),
+                # Anonymous callers, tenants in a throwaway file: this gateway tests routing.
+                access=AccessConfig(
+                    auth_required=False, stores=StoreConfig(sqlite_path=state_dir / "t.db")
+                ),
+            ),
             pools[0],
             pools[1],
             [ServedModel(model, None, 0)],
@@ -72,6 +83,7 @@ def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[open
     finally:
         stop.set()
         thread.join(30)
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def test_no_healthy_decode_worker_is_503(live_stack: LiveStack) -> None:

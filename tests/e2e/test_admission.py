@@ -1,0 +1,60 @@
+"""Tenants and token quotas on the real stack: real vLLM usage drives reconciliation."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import LiveStack
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "Name one colour."}]
+
+
+def _remaining_tokens(live_stack: LiveStack, tenant: str) -> int:
+    with live_stack.admin as admin:
+        usage = admin.get(f"/admin/v1/tenants/{tenant}/usage").json()
+    return int(usage["tokens"]["remaining"])
+
+
+def test_quota_headers_refund_and_429_with_real_usage(live_stack: LiveStack) -> None:
+    key = live_stack.new_tenant("quota-e2e", tpm=6000, rpm=1000)
+    client = openai.OpenAI(base_url=f"{live_stack.base_url}/v1", api_key=key, max_retries=0)
+
+    # Streamed, with a generous max_tokens: the reservation is large, real usage small.
+    raw = client.chat.completions.with_raw_response.create(
+        model=live_stack.model,
+        messages=QUESTION,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers["x-ratelimit-limit-tokens"] == "6000"
+    reserved_left = int(raw.headers["x-ratelimit-remaining-tokens"])
+    chunks = list(raw.parse())
+    usage = chunks[-1].usage
+    assert usage is not None and usage.total_tokens < 200
+    # Reconciled against vLLM's own count: the unused part of max_tokens came back.
+    assert (
+        _remaining_tokens(live_stack, "quota-e2e")
+        >= reserved_left + (200 - usage.total_tokens) - 10
+    )
+
+    # More than the whole plan: never admitted, and the SDK is told not to retry.
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=7000)
+    assert caught.value.code == "insufficient_quota"
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_unknown_key_is_401_on_the_real_stack(live_stack: LiveStack) -> None:
+    response = httpx.post(
+        f"{live_stack.base_url}/v1/chat/completions",
+        json={"model": live_stack.model, "messages": QUESTION},
+        headers={"Authorization": "Bearer tdm-not-a-key"},
+    )
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
