@@ -52,6 +52,9 @@ class AccessConfig:
     """Queue deadline."""
     tokenizer_dir: Path | None = None
     """Model folder with the ``tokenizer.json`` prompts are counted with (None: 4 chars/token)."""
+    key_touch_interval_s: float = 5.0
+    """How often keys' last-used times are written to the registry (batched, off the request
+    path); tests shorten it to see ``last_used_at`` without waiting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,11 @@ def create_app(
             )
             await admitter.start()
             resources.push_async_callback(admitter.aclose)
-            authenticator = Authenticator(stores.registry, required=access.auth_required)
+            authenticator = Authenticator(
+                stores.registry,
+                required=access.auth_required,
+                touch_interval_s=access.key_touch_interval_s,
+            )
             await authenticator.start()
             resources.push_async_callback(authenticator.aclose)
             controller = AdmissionController(
