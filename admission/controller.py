@@ -131,7 +131,7 @@ class AdmissionController:
         """Admit a request or raise the error its client gets (400, 429 or 503)."""
         plan = tenant.plan
         check_plan_limits(plan, estimate)
-        reservation = await self._reserve(tenant, estimate)
+        reservation = await self._reserve_to_the_end(tenant, estimate)
         try:
             slot = await self._admitter.admit(
                 tenant.tenant_id, plan.weight, plan.band, estimate.prompt_tokens, deadline
@@ -168,6 +168,23 @@ class AdmissionController:
     async def snapshot(self, tenant: Tenant) -> QuotaSnapshot:
         """The tenant's live quota state (raises ``StoreUnavailable``)."""
         return await self._quotas.snapshot(tenant.tenant_id, QuotaLimits.of(tenant.plan))
+
+    async def _reserve_to_the_end(
+        self, tenant: Tenant, estimate: TokenEstimate
+    ) -> Reservation | None:
+        """``_reserve``, which a cancellation (the client left) does not cut short: the store
+        may grant a reservation whose answer never arrives, and its concurrency hold would stay
+        taken until it expires. So the round trip ends, and what it took is given back."""
+        reserving = asyncio.ensure_future(self._reserve(tenant, estimate))
+        try:
+            return await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            await asyncio.wait((reserving,))
+            if not reserving.cancelled() and reserving.exception() is None:
+                reservation = reserving.result()
+                if reservation is not None:
+                    await asyncio.shield(self.reconcile(reservation, tenant.plan, 0))
+            raise
 
     async def _reserve(self, tenant: Tenant, estimate: TokenEstimate) -> Reservation | None:
         limits = QuotaLimits.of(tenant.plan)

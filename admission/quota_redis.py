@@ -129,7 +129,7 @@ local rl = level(KEYS[2], tonumber(ARGV[2]))
 return {fmt(tl), fmt(rl), redis.call('ZCOUNT', KEYS[3], '(' .. fmt(now), '+inf')}
 """
 
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
 """Connections one store (one gateway) opens to Redis at most; a script runs in microseconds."""
 
 _WAIT_KINDS = (LimitKind.TOKENS, LimitKind.REQUESTS, LimitKind.CONCURRENCY)
@@ -235,7 +235,7 @@ class RedisQuotaStore:
                 return await call
         except (RedisError, OSError, TimeoutError) as exc:
             # TimeoutError is also asyncio.timeout's; OSError covers refused and reset connections.
-            raise StoreUnavailable(f"quota store unreachable: {exc!r}") from exc
+            raise StoreUnavailable(f"quota store unreachable: {type(exc).__name__}: {exc}") from exc
 
 
 def _cap(limit: int | None) -> str:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -118,6 +118,10 @@ return 0
 
 _KEY_FIELDS = ("data", "revoked_at", "last_used_at")
 
+MAX_CONNECTIONS = 256
+"""Connections one registry (one gateway) opens to Redis at most; a lookup takes microseconds
+and keys are cached, so a burst waits briefly for one instead of failing."""
+
 
 class RedisTenantRegistry:
     """Tenants and keys in Redis. Construction does no I/O; connections open on first use."""
@@ -126,13 +130,18 @@ class RedisTenantRegistry:
         # No client-side retries: a blind retry of a script whose reply was lost would report
         # a tenant it just created as taken, and a dead store must answer at once. The pool
         # still replaces connections a restarted server closed, so the next call recovers.
-        self._redis = Redis.from_url(
+        # A blocking pool: redis-py's default one raises "Too many connections" past 100
+        # connections, which turned a burst of key lookups into 503s on a healthy store.
+        pool = BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             decode_responses=True,
         )
+        self._redis = Redis.from_pool(pool)
         self._p = key_prefix
         # Bounds one round trip (connect, EVALSHA, the script-cache fallback after a restart),
         # where the socket timeouts bound each operation alone.
@@ -283,7 +292,9 @@ class RedisTenantRegistry:
                 return await call
         except (RedisError, OSError, TimeoutError) as exc:
             # TimeoutError is also asyncio.timeout's; OSError covers refused and reset connections.
-            raise StoreUnavailable(f"tenant registry unreachable: {exc!r}") from exc
+            raise StoreUnavailable(
+                f"tenant registry unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _key(fields: Sequence[Any]) -> ApiKey:

@@ -16,6 +16,7 @@ renders them in one handler; a stream that already started carries them as one `
     │   └── QuotaExhaustedError          429 code=insufficient_quota, x-should-retry: false
     ├── OverloadedError              503 code=overloaded, retry-after (admission shed the request)
     ├── NoHealthyWorkerError         503 code=no_healthy_worker, retry-after
+    ├── ClientDisconnectedError      499 (client left while queued: for logs and counters)
     ├── StoreUnavailableError        503 code=store_unavailable (quota store down, fail-closed)
     └── EngineError                  502 code=engine_error (a worker failed or answered junk)
         └── EngineTimeoutError       504 code=engine_timeout
@@ -159,6 +160,15 @@ class NoHealthyWorkerError(TandemError):
     status_code = 503
     error_type = "service_unavailable"
     default_code = "no_healthy_worker"
+
+
+class ClientDisconnectedError(TandemError):
+    """The client hung up while its request waited for admission. Nobody reads this answer;
+    it exists for the logs and the rejection counter."""
+
+    status_code = 499  # nginx's "client closed request"
+    error_type = "client_closed_request"
+    default_code = "client_closed_request"
 
 
 class EngineError(TandemError):

@@ -21,6 +21,7 @@ from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
 from gateway.errors import install_error_handlers
 from gateway.gate import Gate, GateConfig
+from gateway.kv_usage import KvUsageWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.routes_admin import router as admin_router
@@ -55,6 +56,12 @@ class AccessConfig:
     key_touch_interval_s: float = 5.0
     """How often keys' last-used times are written to the registry (batched, off the request
     path); tests shorten it to see ``last_used_at`` without waiting."""
+    kv_usage_watermark: float = 0.95
+    """A decode worker whose KV cache is this full takes no new requests (they queue)."""
+    kv_usage_poll_s: float = 1.0
+    """How often the decode workers' KV-cache usage is read from their ``/metrics``."""
+    key_cache_ttl_s: float = 0.5
+    """How long a key lookup is reused: revocations and plan changes take effect within it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,19 +96,25 @@ def create_app(
             resources.push_async_callback(engine.aclose)
             stores = await open_stores(access.stores)
             resources.push_async_callback(stores.aclose)
+            kv_usage = KvUsageWatcher(engine.session, decode, access.kv_usage_poll_s)
+            await kv_usage.start()
+            resources.push_async_callback(kv_usage.aclose)
             admitter = Admitter(
                 AdmissionConfig(
                     max_queue=access.max_queue,
                     max_in_flight=access.max_in_flight_per_worker,
                     default_queue_timeout_s=access.gate.queue_timeout_s,
                 ),
-                DecodeCapacity(decode, access.max_in_flight_per_worker),
+                DecodeCapacity(
+                    decode, access.max_in_flight_per_worker, kv_usage, access.kv_usage_watermark
+                ),
             )
             await admitter.start()
             resources.push_async_callback(admitter.aclose)
             authenticator = Authenticator(
                 stores.registry,
                 required=access.auth_required,
+                cache_ttl_s=access.key_cache_ttl_s,
                 touch_interval_s=access.key_touch_interval_s,
             )
             await authenticator.start()

@@ -77,6 +77,7 @@ class Authenticator:
         self._clock = clock
         self._cache: dict[str, _Cached] = {}
         self._last_used: dict[str, float] = {}
+        self._fetching: dict[str, asyncio.Future[tuple[ApiKey, Tenant] | None]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -125,10 +126,27 @@ class Authenticator:
 
     async def _lookup(self, token: str) -> tuple[ApiKey, Tenant] | None:
         digest = hash_key(token)
-        now = self._clock()
         cached = self._cache.get(digest)
-        if cached is not None and now - cached.fetched_at < self._cache_ttl_s:
+        if cached is not None and self._clock() - cached.fetched_at < self._cache_ttl_s:
             return cached.found
+        # One store round trip per key at a time: otherwise every request of a burst on a cold
+        # (or just expired) entry goes to the store at once, and under load those lookups time
+        # out and fail requests a single lookup would have let through.
+        fetch = self._fetching.get(digest)
+        if fetch is None:
+            fetch = asyncio.ensure_future(self._fetch(digest, cached))
+            self._fetching[digest] = fetch
+            fetch.add_done_callback(lambda done: self._fetched(digest, done))
+        # Shielded: one waiter's client leaving must not cancel the lookup the others share.
+        return await asyncio.shield(fetch)
+
+    def _fetched(self, digest: str, fetch: asyncio.Future[tuple[ApiKey, Tenant] | None]) -> None:
+        self._fetching.pop(digest, None)
+        if not fetch.cancelled():
+            fetch.exception()  # retrieved here, so a lookup whose waiters all left is not logged
+
+    async def _fetch(self, digest: str, cached: _Cached | None) -> tuple[ApiKey, Tenant] | None:
+        now = self._clock()
         try:
             found = await self._registry.lookup_key(digest)
         except StoreUnavailable as exc:

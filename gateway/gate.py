@@ -2,24 +2,32 @@
 
 Authorization -> Caller (401) -> token estimate -> AdmissionController.admit (400/429/503)
 -> pipeline ... -> settle(used tokens): reconcile the quota, free the queue slot
+
+A client that hangs up while its request waits for admission leaves the queue at once: the
+server does not cancel a handler whose client left, so admission races the client's disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from admission.controller import Admission, AdmissionController, used_tokens
-from admission.tokens import TokenCounter, estimate_tokens
-from core.errors import TandemError
+from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounter, estimate_tokens
+from core.errors import ClientDisconnectedError, TandemError
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
 from gateway.auth import Authenticator, Caller
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tandem.admission")
+
+ClientGone = Callable[[], Awaitable[None]]
+"""Returns once the client has hung up; never returns while it is connected."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +70,21 @@ class Gate:
         body: dict[str, Any],
         request: Request,
         max_model_len: int | None,
+        client_gone: ClientGone | None = None,
     ) -> Admission:
-        """Reserve quota and wait for a slot; the caller must ``settle`` what this returns."""
+        """Reserve quota and wait for a slot; the caller must ``settle`` what this returns.
+
+        With ``client_gone``, a hang-up before admission gives everything back and raises
+        ``ClientDisconnectedError``."""
+        cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens)
         estimate = await estimate_tokens(endpoint, body, self._counter, max_model_len)
         deadline = time.monotonic() + self._config.queue_timeout_s
+        admitting = self._controller.admit(caller.tenant, estimate, deadline)
         try:
-            admission = await self._controller.admit(caller.tenant, estimate, deadline)
+            if client_gone is None:
+                admission = await admitting
+            else:
+                admission = await _unless_client_leaves(admitting, client_gone)
         except TandemError as exc:
             self._metrics.observe_rejection(exc.code)
             log.info(
@@ -90,3 +107,45 @@ class Gate:
         )
         await admission.settle(spent)
         self._metrics.observe_charged(admission.tenant.name, spent)
+
+
+def cap_output_tokens(endpoint: Endpoint, body: dict[str, Any], plan_max: int | None) -> None:
+    """A chat request without ``max_tokens`` means "up to the context window", which a plan
+    that caps output would refuse; most clients never set it, so the plan's cap is applied.
+    (Completions default to 16 tokens: only a smaller cap changes them.)"""
+    if plan_max is None or any(
+        body.get(field) is not None for field in ("max_tokens", "max_completion_tokens")
+    ):
+        return
+    if endpoint is Endpoint.CHAT or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
+        body["max_tokens"] = plan_max
+
+
+async def _unless_client_leaves(
+    admitting: Awaitable[Admission], client_gone: ClientGone
+) -> Admission:
+    """``admitting``'s admission, unless the client hangs up first: then its queue entry and
+    reservation are given back (the controller does it when cancelled) before this raises."""
+    task = asyncio.ensure_future(admitting)
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _abandon(task, watcher)  # this handler was cancelled
+        raise
+    if task.done():
+        watcher.cancel()
+        await asyncio.wait((watcher,))
+        return task.result()
+    await _abandon(task, watcher)
+    raise ClientDisconnectedError("The client closed the connection while queued.")
+
+
+async def _abandon(task: asyncio.Future[Admission], watcher: asyncio.Future[None]) -> None:
+    """End both (they are owned by ``_unless_client_leaves``); an admission granted in the
+    same instant is settled as unused, since nothing will run it."""
+    task.cancel()
+    watcher.cancel()
+    await asyncio.wait((task, watcher))
+    if not task.cancelled() and task.exception() is None:
+        await task.result().settle(0)

@@ -24,7 +24,7 @@ from admission.registry import (
     UnknownKeyError,
     UnknownTenantError,
 )
-from admission.tenants import Tenant
+from admission.tenants import ApiKey, Tenant
 from core.errors import ConflictError, NotFoundError, StoreUnavailableError
 from gateway.auth import AdminAuth
 
@@ -36,7 +36,8 @@ Limit = Annotated[int, Field(ge=1)] | None
 class PlanFields(BaseModel):
     """Plan fields; in an update, an omitted field keeps its value and ``null`` means unlimited."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The field docstrings become the OpenAPI descriptions an operator reads at /docs.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     tpm: Limit = None
     """Tokens per minute (prompt + output)."""
@@ -69,7 +70,7 @@ class TenantCreate(PlanFields):
 class KeyCreate(BaseModel):
     """``POST /admin/v1/tenants/{tenant}/keys``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: Annotated[str, Field(min_length=1, max_length=100)] = "default"
     """A label to tell keys apart."""
@@ -161,7 +162,7 @@ async def issue_key(
         issued = await _store(registry.issue_key(current.tenant_id, (body or KeyCreate()).name))
     except UnknownTenantError as exc:
         raise _not_found(tenant) from exc
-    return {**key_to_dict(issued.key), "key": issued.plaintext}
+    return {**_public_key(issued.key), "key": issued.plaintext}
 
 
 @router.get("/tenants/{tenant}/keys")
@@ -169,7 +170,7 @@ async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
     """A tenant's keys (never their secrets), revoked ones included."""
     current = await _resolve(registry, tenant)
     keys = await _store(registry.list_keys(current.tenant_id))
-    return {"object": "list", "data": [key_to_dict(key) for key in keys]}
+    return {"object": "list", "data": [_public_key(key) for key in keys]}
 
 
 @router.post("/keys/{key_id}/revoke")
@@ -179,7 +180,7 @@ async def revoke_key(key_id: str, registry: RegistryDep) -> dict[str, Any]:
         key = await _store(registry.revoke_key(key_id))
     except UnknownKeyError as exc:
         raise NotFoundError(f"No API key with id '{key_id}'.", param="key_id") from exc
-    return key_to_dict(key)
+    return _public_key(key)
 
 
 @router.get("/tenants/{tenant}/usage")
@@ -228,6 +229,13 @@ async def _store(operation: Awaitable[T]) -> T:
         raise StoreUnavailableError(
             "The tenant store is unavailable; retry shortly.", retry_after_s=2.0
         ) from exc
+
+
+def _public_key(key: ApiKey) -> dict[str, Any]:
+    """A key as the admin API shows it: not even its hash leaves the gateway."""
+    shown = key_to_dict(key)
+    del shown["key_hash"]
+    return shown
 
 
 def _not_found(ref: str) -> NotFoundError:

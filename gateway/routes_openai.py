@@ -144,7 +144,9 @@ async def _serve(
     )
     request.advance(RequestPhase.AUTHENTICATED)
     pipeline.check_decode_available()
-    admission = await gate.admit(caller, endpoint, body, request, model.max_model_len)
+    admission = await gate.admit(
+        caller, endpoint, body, request, model.max_model_len, _client_gone(http_request)
+    )
     headers = {
         "x-request-id": request.request_id,
         "x-tandem-queue-ms": str(round((request.queue_wait_s or 0.0) * 1000)),
@@ -162,6 +164,17 @@ async def _serve(
         raise
     await gate.settle(admission, request)
     return Response(orjson.dumps(result), media_type="application/json", headers=headers)
+
+
+def _client_gone(http_request: HttpRequest) -> Callable[[], Awaitable[None]]:
+    """Waits for the client to hang up. Only for after the body was read: then the server's
+    next message is the disconnect (a cancelled wait consumes nothing)."""
+
+    async def wait() -> None:
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:

@@ -81,8 +81,11 @@ class TandemSettings(BaseSettings):
     redis_url: str | None = None
     """Redis for tenants, keys, quota counters and usage, shared by gateway replicas; unset =
     the embedded default (SQLite file + in-memory counters, one gateway)."""
-    store_timeout_s: float = Field(0.5, gt=0)
-    """Longest wait for the Redis store before it counts as unavailable."""
+    store_timeout_s: float = Field(2.0, gt=0)
+    """Longest wait for a Redis operation before the store counts as unavailable (a whole call
+    may take twice this). A refused connection fails at once; this bounds a hung Redis, and is
+    generous because under a burst the gateway's own event loop, not Redis, is what is late:
+    a tight limit would turn load into fail-open admissions without quota checks."""
     quota_store_failure: Literal["open", "closed"] = "open"
     """While the quota store is unreachable: admit without quota checks (``open``) or refuse
     with 503 (``closed``)."""
@@ -95,6 +98,9 @@ class TandemSettings(BaseSettings):
     """Requests that may wait for admission at once on this gateway; more are shed (503)."""
     max_in_flight_per_worker: int = Field(32, ge=1)
     """Requests admitted at once per healthy decode worker; the rest wait in the fair queue."""
+    kv_usage_watermark: float = Field(0.95, gt=0, le=1)
+    """A decode worker whose KV cache is at least this full (vLLM's ``kv_cache_usage_perc``)
+    takes no new requests: they wait in the fair queue instead of making vLLM preempt."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
 

@@ -199,6 +199,7 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         controller=ControllerConfig(store_failure=StoreFailurePolicy(settings.quota_store_failure)),
         max_queue=settings.max_queue,
         max_in_flight_per_worker=settings.max_in_flight_per_worker,
+        kv_usage_watermark=settings.kv_usage_watermark,
         gate=GateConfig(queue_timeout_s=settings.queue_timeout_s),
         tokenizer_dir=model_dir,
     )

@@ -21,8 +21,9 @@ class StoreConfig:
     """Shared Redis (replicas); unset = SQLite registry + in-memory counters."""
     sqlite_path: Path = Path(".tandem/tandem.db")
     """The embedded default's durable tenant store."""
-    timeout_s: float = 0.5
-    """Longest wait for Redis before an operation counts as failed."""
+    timeout_s: float = 2.0
+    """Longest wait for a Redis operation before it counts as failed (see
+    ``TandemSettings.store_timeout_s``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,6 +276,7 @@ class FakeEngine:
         self.block_size = 16
         self.kv_bytes_per_token = 23_040  # SmolLM2-135M bf16: 30 layers x 2 x 3 x 64 x 2
         self.kv_capacity_tokens = 100_000
+        self.kv_usage_override: float | None = None  # report this KV-cache usage instead
         self.engine_id = str(uuid.uuid4())
         self.side_channel_port = 5600
         self.stats = EngineStats()
@@ -419,7 +420,15 @@ class FakeEngine:
             "vllm:kv_cache_usage_perc",
             "gauge",
             "KV-cache usage. 1 means 100 percent usage.",
-            [("", "", min(1.0, kv_tokens / self.kv_capacity_tokens))],
+            [
+                (
+                    "",
+                    "",
+                    self.kv_usage_override
+                    if self.kv_usage_override is not None
+                    else min(1.0, kv_tokens / self.kv_capacity_tokens),
+                )
+            ],
         )
         metric(
             "vllm:prompt_tokens_total",

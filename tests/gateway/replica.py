@@ -1,0 +1,159 @@
+"""Real processes for multi-replica tests: ``tandem up`` gateways and fake decode engines.
+
+Each runs as its own OS process, as in production: the gateways share nothing but Redis, and
+the load generator, the engines and the gateways get their own interpreters (and GILs).
+Teardown is SIGINT (the gateway drains and exits), then SIGKILL after a grace period, so a
+failing test leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+"""Generous: on a busy machine (vLLM workers of another suite on the same cores) importing the
+gateway alone can take tens of seconds."""
+STOP_GRACE_S = 10.0
+_LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """A started child process, its address and where its output goes."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    base_url: str
+    log_path: Path
+
+    def log_tail(self) -> str:
+        """The end of the process's output, for failure messages."""
+        try:
+            return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        except OSError:
+            return "(no log)"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (a race with other binders is possible, not likely)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def fake_engine_process(
+    log_dir: Path, *, name: str, served_model_name: str, output_tokens: int
+) -> Iterator[Process]:
+    """``python -m tests.fakes.fake_engine`` as a decode engine on a free port."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "tests.fakes.fake_engine",
+        "--role", "decode",
+        "--port", str(port),
+        "--served-model-name", served_model_name,
+        "--output-tokens", str(output_tokens),
+    ]  # fmt: skip
+    with _child(name, argv, os.environ.copy(), log_dir) as popen:
+        process = Process(name, popen, f"http://127.0.0.1:{port}", log_dir / f"{name}.log")
+        _wait_http_ok(process, "/health")
+        yield process
+
+
+@contextmanager
+def gateway_process(
+    log_dir: Path,
+    *,
+    name: str,
+    decode_urls: list[str],
+    served_model_name: str,
+    env: dict[str, str],
+) -> Iterator[Process]:
+    """``tandem up`` over external decode engines only (no managed workers, no prefill pool),
+    with the ``TANDEM_*`` settings in ``env``. Yields at once, so several gateways boot in
+    parallel: ``wait_ready`` each before use."""
+    executable = Path(sys.executable).with_name("tandem")
+    if not executable.exists():
+        raise RuntimeError(f"{executable} is missing: install the project (scripts/install)")
+    port = free_port()
+    argv = [
+        str(executable), "up",
+        "--prefill-workers", "0",
+        "--decode-workers", "0",
+        "--served-model-name", served_model_name,
+        "--port", str(port),
+    ]  # fmt: skip
+    for url in decode_urls:
+        argv += ["--decode-url", url]
+    # Settings come from the environment: start from a clean slate so an operator's own
+    # TANDEM_* variables cannot leak into the test's gateways.
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    child_env |= {"TANDEM_LOG_DIR": str(log_dir), **env}
+    with _child(name, argv, child_env, log_dir) as popen:
+        yield Process(name, popen, f"http://127.0.0.1:{port}", log_dir / f"{name}.log")
+
+
+@contextmanager
+def _child(
+    name: str, argv: list[str], env: dict[str, str], log_dir: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    # Output goes to a file, not a pipe: nobody reads a pipe while the test runs, and a full
+    # pipe would block the child's logging (uvicorn logs every request).
+    with (log_dir / f"{name}.log").open("wb") as log:
+        popen = subprocess.Popen(
+            argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
+    try:
+        yield popen
+    finally:
+        stop(popen)
+
+
+def stop(popen: subprocess.Popen[bytes]) -> None:
+    """SIGINT (graceful: drain and exit), then SIGKILL if it is still there after the grace."""
+    if popen.poll() is not None:
+        return
+    popen.send_signal(signal.SIGINT)
+    try:
+        popen.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+
+
+def wait_ready(process: Process) -> None:
+    """Return once the gateway's ``/ready`` answers 200 (a healthy decode worker is known)."""
+    _wait_http_ok(process, "/ready")
+
+
+def _wait_http_ok(process: Process, path: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.popen.poll() is not None:
+            raise RuntimeError(
+                f"{process.name} exited with {process.popen.returncode} while starting:\n"
+                + process.log_tail()
+            )
+        try:
+            if httpx.get(process.base_url + path, timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{process.name} did not answer {path} within {START_TIMEOUT_S:.0f} s:\n"
+                + process.log_tail()
+            )
+        time.sleep(0.05)
