@@ -94,6 +94,10 @@ class Admission:
         """Output tokens as they stream: VTC's output charge."""
         self._slot.charge_output(num_tokens)
 
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
     async def settle(self, used_tokens: int) -> None:
         """Free the queue slot and reconcile the reservation with what was really used.
 

@@ -98,7 +98,10 @@ class Gate:
         return admission
 
     async def settle(self, admission: Admission, request: Request) -> None:
-        """Charge what the request really used and give the rest back (exactly once)."""
+        """Charge what the request really used and give the rest back (exactly once: later
+        calls do nothing)."""
+        if admission.settled:
+            return
         spent = used_tokens(
             admission.estimate,
             request.usage,

@@ -125,12 +125,14 @@ class ServingPipeline:
         body: dict[str, Any],
         request: Request,
         on_output: Callable[[int], None] | None = None,
+        before_last_event: Callable[[], Awaitable[None]] | None = None,
     ) -> RelayStream:
         """Open the decode stream; the caller relays it and must ``aclose()`` it.
 
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
-        ``on_output`` hears of every batch of output tokens relayed (fair-queue charging).
+        ``on_output`` hears of every batch of output tokens relayed (fair-queue charging);
+        ``before_last_event`` is awaited once the request ended, before its last event.
         """
 
         async def call(worker: Worker, leg: dict[str, Any]) -> EngineStream:
@@ -145,8 +147,9 @@ class ServingPipeline:
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return RelayStream(
-            upstream, decode_worker, request, endpoint, include_usage, self._observe_end, on_output
-        )
+            upstream, decode_worker, request, endpoint, include_usage, self._observe_end,
+            on_output, before_last_event,
+        )  # fmt: skip
 
     async def _decode_with_retry(
         self,

@@ -8,7 +8,7 @@ re-serialised. The engine's usage and the finish reason are recorded on the ``Re
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -40,6 +40,7 @@ class RelayStream:
         include_usage: bool,
         on_end: Callable[[Request], None],
         on_output: Callable[[int], None] | None = None,
+        before_last_event: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._upstream = upstream
         self._response_id = response_id(endpoint, request)
@@ -49,6 +50,7 @@ class RelayStream:
         self._include_usage = include_usage
         self._on_end = on_end
         self._on_output = on_output
+        self._before_last_event = before_last_event
         self._closed = False
         # The worker's slot is held for the stream's whole life, across calls: an ExitStack
         # keeps Worker.lease() the one way slots are counted.
@@ -92,11 +94,19 @@ class RelayStream:
             request.fail(exc.code)
             log.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
             self._on_end(request)
+            await self._settle()
             yield orjson.dumps(exc.to_body()).decode()
             return
         request.finish(finish_reason, usage)
         self._on_end(request)
+        await self._settle()
         yield "[DONE]"
+
+    async def _settle(self) -> None:
+        # Before the last event: a client that sends its next request on reading [DONE]
+        # must find this one's quota settled and its concurrency slot free.
+        if self._before_last_event is not None:
+            await self._before_last_event()
 
     async def aclose(self) -> None:
         if self._closed:

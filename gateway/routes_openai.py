@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -154,10 +155,11 @@ async def _serve(
     }
     try:
         if request.stream:
-            relay = await pipeline.stream(endpoint, body, request, admission.charge_output)
-            return OpenAIEventStream(
-                relay, headers, ping_interval_s, lambda: gate.settle(admission, request)
-            )
+            # Settled before [DONE] when the stream ends normally; on_close covers the rest
+            # (client gone, never started). Settling twice is a no-op.
+            settle = functools.partial(gate.settle, admission, request)
+            relay = await pipeline.stream(endpoint, body, request, admission.charge_output, settle)
+            return OpenAIEventStream(relay, headers, ping_interval_s, settle)
         result = await pipeline.complete(endpoint, body, request)
     except BaseException:
         await gate.settle(admission, request)
