@@ -98,8 +98,9 @@ class Admission:
     def settled(self) -> bool:
         return self._settled
 
-    async def settle(self, used_tokens: int) -> None:
-        """Free the queue slot and reconcile the reservation with what was really used.
+    async def settle(self, used_tokens: int, *, ran: bool = True) -> None:
+        """Free the queue slot and reconcile the reservation with what was really used
+        (``ran=False``: no engine saw the request, so its request unit comes back too).
 
         Idempotent. Shielded, so a client that leaves mid-settle cannot leave the reservation
         half done; a store outage is logged, the tokens stay charged and the hold expires.
@@ -110,7 +111,9 @@ class Admission:
         self._slot.release()
         if self._reservation is not None:
             await asyncio.shield(
-                self._controller.reconcile(self._reservation, self.tenant.plan, used_tokens)
+                self._controller.reconcile(
+                    self._reservation, self.tenant.plan, used_tokens, ran=ran
+                )
             )
 
 
@@ -143,14 +146,16 @@ class AdmissionController:
         except BaseException:
             # Shed, deadline or client gone while queued: nothing ran, so nothing is owed.
             if reservation is not None:
-                await asyncio.shield(self.reconcile(reservation, plan, 0))
+                await asyncio.shield(self.reconcile(reservation, plan, 0, ran=False))
             raise
         return Admission(self, tenant, estimate, reservation, slot)
 
-    async def reconcile(self, reservation: Reservation, plan: Plan, used_tokens: int) -> None:
+    async def reconcile(
+        self, reservation: Reservation, plan: Plan, used_tokens: int, *, ran: bool = True
+    ) -> None:
         """Settle one reservation; a store outage is logged, never raised."""
         try:
-            await self._quotas.reconcile(reservation, QuotaLimits.of(plan), used_tokens)
+            await self._quotas.reconcile(reservation, QuotaLimits.of(plan), used_tokens, ran=ran)
         except StoreUnavailable as exc:
             self._on_store_error("reconcile")
             log.warning(
@@ -187,7 +192,7 @@ class AdmissionController:
             if not reserving.cancelled() and reserving.exception() is None:
                 reservation = reserving.result()
                 if reservation is not None:
-                    await asyncio.shield(self.reconcile(reservation, tenant.plan, 0))
+                    await asyncio.shield(self.reconcile(reservation, tenant.plan, 0, ran=False))
             raise
 
     async def _reserve(self, tenant: Tenant, estimate: TokenEstimate) -> Reservation | None:

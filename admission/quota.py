@@ -11,7 +11,9 @@ Semantics (the in-memory store and the Redis Lua script implement exactly these)
 - A request larger than the TPM capacity can never pass: ``Denial(retry_after_s=None)``.
 - ``reconcile(used)`` returns ``reserved - used`` to the TPM bucket (capped at capacity; it may
   go below zero when the engine used more than estimated, so the debt is paid by later requests)
-  and drops the concurrency hold. The request unit is never refunded: the request happened.
+  and drops the concurrency hold. The request unit comes back only when the request never
+  reached an engine (``ran=False``: shed, deadline, client gone while queued); otherwise the
+  request happened and counts.
 - Clock: the store's own (Redis ``TIME``), so replicas with skewed clocks agree.
 """
 
@@ -82,9 +84,10 @@ class QuotaStore(Protocol):
         ...
 
     async def reconcile(
-        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int
+        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int, *, ran: bool = True
     ) -> None:
-        """Settle a reservation against real usage and release its concurrency hold."""
+        """Settle a reservation against real usage and release its concurrency hold; with
+        ``ran=False`` also give the request unit back."""
         ...
 
     async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:

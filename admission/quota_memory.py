@@ -157,9 +157,10 @@ class MemoryQuotaStore:
         )
 
     async def reconcile(
-        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int
+        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int, *, ran: bool = True
     ) -> None:
-        """Settle a reservation against real usage and release its concurrency hold."""
+        """Settle a reservation against real usage and release its concurrency hold; with
+        ``ran=False`` also give the request unit back."""
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
         now = self._clock()
@@ -170,6 +171,9 @@ class MemoryQuotaStore:
         if limits.tpm is not None and refund != 0:
             level = min(float(limits.tpm), _level(tenant.tokens, limits.tpm, now) + refund)
             tenant.tokens = _Bucket(level, now)
+        if limits.rpm is not None and not ran:
+            level = min(float(limits.rpm), _level(tenant.requests, limits.rpm, now) + 1)
+            tenant.requests = _Bucket(level, now)
 
     async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:
         """The tenant's current state, without taking anything."""

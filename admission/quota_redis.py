@@ -111,13 +111,18 @@ redis.call('PEXPIRE', KEYS[3], math.ceil((tonumber(last[2]) - now) * 1000 + marg
 return {1, fmt(tl), fmt(rl), held + 1}
 """
 
-# KEYS: tokens, holds. ARGV: tpm, refund (reserved - used, may be negative), reservation id.
+# KEYS: tokens, requests, holds. ARGV: tpm, refund (reserved - used, may be negative),
+# reservation id, rpm, request refund (1 when the request never ran, else 0).
 # Settled even when the hold already expired: a long request's real usage still counts.
 _RECONCILE = """
 local tpm, refund = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZREM', KEYS[2], ARGV[3])
+local rpm, request_refund = tonumber(ARGV[4]), tonumber(ARGV[5])
+redis.call('ZREM', KEYS[3], ARGV[3])
 if tpm >= 0 and refund ~= 0 then
   save(KEYS[1], math.min(tpm, level(KEYS[1], tpm) + refund), tpm)
+end
+if rpm >= 0 and request_refund ~= 0 then
+  save(KEYS[2], math.min(rpm, level(KEYS[2], rpm) + request_refund), rpm)
 end
 return 1
 """
@@ -201,14 +206,20 @@ class RedisQuotaStore:
         return denial
 
     async def reconcile(
-        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int
+        self, reservation: Reservation, limits: QuotaLimits, used_tokens: int, *, ran: bool = True
     ) -> None:
-        """Settle a reservation against real usage and release its concurrency hold."""
+        """Settle a reservation against real usage and release its concurrency hold; with
+        ``ran=False`` also give the request unit back."""
         if used_tokens < 0:
             raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
-        tokens_key, _, holds_key = self._keys(reservation.tenant_id)
-        args = [_cap(limits.tpm), str(reservation.tokens - used_tokens), reservation.reservation_id]
-        await self._run(self._reconcile([tokens_key, holds_key], args))
+        args = [
+            _cap(limits.tpm),
+            str(reservation.tokens - used_tokens),
+            reservation.reservation_id,
+            _cap(limits.rpm),
+            "0" if ran else "1",
+        ]
+        await self._run(self._reconcile(self._keys(reservation.tenant_id), args))
 
     async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:
         """The tenant's current state, without taking anything."""

@@ -102,13 +102,14 @@ class Gate:
         calls do nothing)."""
         if admission.settled:
             return
+        engine_ran = request.path is not None  # a path is chosen just before the first leg
         spent = used_tokens(
             admission.estimate,
             request.usage,
-            engine_ran=request.path is not None,  # a path is chosen just before the first leg
+            engine_ran=engine_ran,
             num_streamed=request.num_streamed_tokens,
         )
-        await admission.settle(spent)
+        await admission.settle(spent, ran=engine_ran)
         self._metrics.observe_charged(admission.tenant.name, spent)
 
 

@@ -250,6 +250,17 @@ async def test_reconcile_refunds_unused_tokens(harness: Harness) -> None:
     harness.assert_level(after.remaining_requests, 9, 10)  # the request itself is not refunded
 
 
+async def test_a_request_that_never_ran_gets_its_request_unit_back(harness: Harness) -> None:
+    limits = QuotaLimits(tpm=1000, rpm=10, max_concurrent=None)
+    reservation = await harness.reserve(limits, 300)
+
+    await harness.store.reconcile(reservation, limits, 0, ran=False)  # shed or left the queue
+
+    after = await harness.store.snapshot(TENANT, limits)
+    harness.assert_level(after.remaining_tokens, 1000, 1000)
+    harness.assert_level(after.remaining_requests, 10, 10)
+
+
 async def test_refund_is_capped_at_capacity(harness: Harness) -> None:
     limits = QuotaLimits(tpm=6000, rpm=None, max_concurrent=None)  # 100 tokens/s
     reservation = await harness.reserve(limits, 50)

@@ -460,8 +460,8 @@ async def test_a_client_leaving_during_the_reservation_gives_it_back(tmp_path: P
                 redis.resume()
 
             usage = await _settled(stack, "acme")  # the late reservation's hold is given back
-            # It was granted (a request unit is never refunded), then given back.
-            assert usage["requests"]["remaining"] == 1
+            # It was granted, then given back whole: no engine saw it, so its request unit too.
+            assert usage["requests"]["remaining"] == 2
             assert (await _post(stack, api_key, _chat(max_tokens=4))).status_code == 200
             assert stack.decode.stats.num_requests == 2
 
