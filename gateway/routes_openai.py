@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, TandemError
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
 from gateway.errors import invalid_request_from_validation
@@ -161,6 +161,11 @@ async def _serve(
             relay = await pipeline.stream(endpoint, body, request, admission.charge_output, settle)
             return OpenAIEventStream(relay, headers, ping_interval_s, settle)
         result = await pipeline.complete(endpoint, body, request)
+    except TandemError as exc:
+        # An error after admission still carries the request id and rate-limit headers.
+        exc.extra_headers = {**headers, **exc.extra_headers}
+        await gate.settle(admission, request)
+        raise
     except BaseException:
         await gate.settle(admission, request)
         raise

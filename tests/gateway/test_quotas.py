@@ -532,3 +532,15 @@ async def _outage_and_recovery(
     refused = await _post(stack, api_key, _chat(max_tokens=4))
     assert refused.status_code == 429
     assert _error(refused)["code"] == "rate_limit_exceeded"
+
+
+async def test_an_error_after_admission_keeps_the_request_and_ratelimit_headers(
+    stack: FakeStack,
+) -> None:
+    api_key = await stack.new_tenant("acme", rpm=100, tpm=100_000)
+    stack.decode.fail_status = 500  # every decode attempt fails: the client gets a 502
+    response = await _post(stack, api_key, _chat(max_tokens=4))
+    assert response.status_code == 502
+    assert response.headers["x-request-id"]
+    assert response.headers["x-ratelimit-limit-requests"] == "100"
+    assert response.headers["x-ratelimit-limit-tokens"] == "100000"
