@@ -1,8 +1,10 @@
 """Send N streaming chat requests through the gateway and directly to the decode worker, and
 print TTFT and ITL percentiles for both.
 
-    python -m bench.gateway_vs_direct --gateway http://127.0.0.1:8000 \
+    TANDEM_API_KEY=tdm-... python -m bench.gateway_vs_direct --gateway http://127.0.0.1:8000 \
         --direct http://127.0.0.1:8200 --requests 20 --max-tokens 64
+
+The key is a tenant's (``tandem admin keys issue NAME``); the worker ignores it.
 
 Definitions (vLLM ``bench serve``'s): TTFT = request sent -> first chunk with content;
 ITL = gap between consecutive content chunks, pooled over all requests. Through the gateway the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -88,7 +91,10 @@ async def discover_model(session: aiohttp.ClientSession, base_url: str) -> str:
 async def run(args: argparse.Namespace) -> dict[str, Samples]:
     targets = {"gateway": args.gateway.rstrip("/"), "direct": args.direct.rstrip("/")}
     results = {name: Samples() for name in targets}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600),
+        headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else None,
+    ) as session:
         model = await discover_model(session, targets["gateway"])
         for url in targets.values():  # warm-up: first NIXL handshake, caches, allocators
             await one_request(session, url, model, "Hello", 4, Samples())
@@ -153,6 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="a tenant key for the gateway (default $TANDEM_API_KEY)",
+    )
     args = parser.parse_args(argv)
     print(report(asyncio.run(run(args))))
 
