@@ -21,6 +21,13 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   and no output charge can arrive any more. The floor only rises, so a counter that is above it
   outlives its tenant's last request only until the band has served about that much more.
 
+- Sharing across replicas (``admission.fairness_sync``): once ``enable_deltas`` is called, every
+  change this queue makes to a counter is also recorded per tenant as a ``CounterDelta``, the
+  function ``c -> max(c + charged, at_least)``: charges add up, lifts are normalizations (two
+  replicas lifting one tenant to the same floor must not count it twice) and merge by max. A
+  sync ``take_deltas``, applies them to the shared counters, and ``absorb``s the result. Counters
+  only grow: a float counts whole tokens exactly up to 2**53, centuries at any real rate.
+
 Costs: ``push``/``pop``/``charge_output`` are O(log n) over the band's backlogged tenants (lazy
 heaps, rebuilt when they grow stale); ``remove`` is O(tenant queue); ``expired`` is O(queue).
 """
@@ -41,6 +48,14 @@ P = TypeVar("P")
 # Bands from best (served first) to worst (shed first).
 _BANDS = tuple(sorted(PriorityBand, key=lambda band: band.rank))
 
+# A local counter this far (relative) above the shared value plus local changes is pushed back
+# as a lift: the shared store lost it (restart, expiry). Below it, float rounding: kept quiet.
+_SEED_SLACK = 1e-9
+
+MAX_PENDING_DELTAS = 100_000
+"""Deltas kept for tenants no longer tracked locally while the shared store is unreachable; past
+it, theirs are dropped (they would be lifted on return anyway). Tracked tenants' are kept."""
+
 
 @dataclass(frozen=True, slots=True)
 class FairQueueConfig:
@@ -54,6 +69,32 @@ class FairQueueConfig:
     def __post_init__(self) -> None:
         if self.w_in < 0 or self.w_out < 0:
             raise ValueError("FairQueueConfig: w_in and w_out must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class CounterDelta:
+    """What one replica did to a tenant's counter since its last sync: the function
+    ``c -> max(c + charged, at_least)``. Any sequence of charges (``c + x``) and lifts
+    (``max(c, floor)``) composes to this form; a lift's charges before it are absorbed by it
+    (they happened below the floor), its charges after it raise ``at_least`` too."""
+
+    charged: float = 0.0
+    """Sum of the charges (weighted service, always added)."""
+    at_least: float | None = None
+    """The counter is at least this afterwards (the highest lift, plus the charges after it);
+    None when nothing was lifted."""
+
+    def apply(self, counter: float) -> float:
+        """The counter after this delta."""
+        raised = counter + self.charged
+        return raised if self.at_least is None else max(raised, self.at_least)
+
+    def then(self, later: CounterDelta) -> CounterDelta:
+        """This delta followed by ``later``, as one delta."""
+        at_least = None if self.at_least is None else self.at_least + later.charged
+        if later.at_least is not None:
+            at_least = later.at_least if at_least is None else max(at_least, later.at_least)
+        return CounterDelta(self.charged + later.charged, at_least)
 
 
 @dataclass(slots=True, eq=False)
@@ -116,6 +157,8 @@ class FairQueue(Generic[P]):
         self._bands: dict[PriorityBand, _Band[P]] = {band: _Band(band) for band in _BANDS}
         self._tenants: dict[str, _Tenant] = {}
         self._seq = itertools.count()
+        self._deltas: dict[str, CounterDelta] | None = None
+        """Changes since the last ``take_deltas``; None until ``enable_deltas``."""
 
     def __len__(self) -> int:
         return sum(band.num_entries for band in self._bands.values())
@@ -161,8 +204,10 @@ class FairQueue(Generic[P]):
             floor = self.floor(entry.band)  # before this tenant counts as backlogged here
             if state is None:
                 state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
+                self._record(tenant_id, CounterDelta(at_least=floor))
             elif state.counter < floor:
                 self._set_counter(tenant_id, state, floor)
+                self._record(tenant_id, CounterDelta(at_least=floor))
             queue = band.queues[tenant_id] = deque()
             self._index(band, tenant_id, state.counter)
         assert state is not None  # a queued tenant always has a counter
@@ -188,8 +233,7 @@ class FairQueue(Generic[P]):
         self._take(entry)
         state = self._tenants[entry.tenant_id]
         state.in_service += 1
-        charge = self._config.w_in * entry.prompt_tokens / entry.weight
-        self._set_counter(entry.tenant_id, state, state.counter + charge)
+        self._charge(entry.tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
         self._left_queue(entry)
         return entry
 
@@ -211,7 +255,7 @@ class FairQueue(Generic[P]):
             return
         if not weight > 0:
             raise ValueError(f"charge_output: weight must be > 0, got {weight}")
-        self._set_counter(tenant_id, state, state.counter + self._config.w_out * tokens / weight)
+        self._charge(tenant_id, state, self._config.w_out * tokens / weight)
 
     def finish(self, entry: QueueEntry[P]) -> None:
         """The popped ``entry``'s request ended: no more charges will come for it."""
@@ -220,6 +264,59 @@ class FairQueue(Generic[P]):
             raise ValueError(f"finish() of tenant {entry.tenant_id!r} without a matching pop()")
         state.in_service -= 1
         self._maybe_idle(entry.tenant_id, state)
+
+    # -- sharing counters across replicas --------------------------------------------------
+
+    def enable_deltas(self) -> None:
+        """Start recording counter changes for ``take_deltas``. Off by default: with nobody
+        taking them, a lone replica would keep one per tenant ever seen. Idempotent."""
+        if self._deltas is None:
+            self._deltas = {}
+
+    def take_deltas(self) -> dict[str, CounterDelta]:
+        """The changes recorded since the last call, per tenant, and start afresh. Includes
+        tenants whose counters were dropped since (their service still counts elsewhere)."""
+        if self._deltas is None:
+            raise RuntimeError("take_deltas() before enable_deltas()")
+        deltas, self._deltas = self._deltas, {}
+        return deltas
+
+    def restore_deltas(self, deltas: dict[str, CounterDelta]) -> None:
+        """Give back deltas that could not be shared, to go out with the next ones (they
+        happened before whatever was recorded since). Bounded by ``MAX_PENDING_DELTAS``."""
+        if self._deltas is None:
+            raise RuntimeError("restore_deltas() before enable_deltas()")
+        since = self._deltas
+        merged = {
+            tenant_id: delta.then(since.get(tenant_id, CounterDelta()))
+            for tenant_id, delta in deltas.items()
+        }
+        for tenant_id, delta in since.items():
+            merged.setdefault(tenant_id, delta)
+        if len(merged) > MAX_PENDING_DELTAS:
+            merged = {t: d for t, d in merged.items() if t in self._tenants}
+        self._deltas = merged
+
+    def absorb(self, shared: dict[str, float | None]) -> None:
+        """Adopt the shared counters of tenants (read after this replica's deltas were applied to
+        them): each tracked tenant's counter becomes the shared value with the changes recorded
+        since ``take_deltas`` applied on top, so nothing done during the round trip is lost.
+
+        A counter is never lowered. One above that (the store lost it: ``None`` = it has none)
+        is recorded as a lift, so the next sync restores it. Untracked tenants are skipped:
+        the memory bound holds, and a dropped tenant's counter comes back lifted."""
+        for tenant_id, value in shared.items():
+            state = self._tenants.get(tenant_id)
+            if state is None:
+                continue
+            since = self._deltas.get(tenant_id) if self._deltas is not None else None
+            target = None if value is None else since.apply(value) if since else value
+            if target is not None and target > state.counter:
+                self._set_counter(tenant_id, state, target)
+            elif target is None or state.counter - target > _SEED_SLACK * abs(state.counter):
+                self._record(tenant_id, CounterDelta(at_least=state.counter))
+        for band in self._bands.values():
+            self._prune(band)  # floors may have risen past idle counters
 
     # -- shedding --------------------------------------------------------------------------
 
@@ -297,6 +394,16 @@ class FairQueue(Generic[P]):
                 self._list_idle(tenant_id, state)
             else:
                 del self._tenants[tenant_id]
+
+    def _charge(self, tenant_id: str, state: _Tenant, amount: float) -> None:
+        self._set_counter(tenant_id, state, state.counter + amount)
+        if amount:
+            self._record(tenant_id, CounterDelta(charged=amount))
+
+    def _record(self, tenant_id: str, delta: CounterDelta) -> None:
+        if self._deltas is not None:
+            earlier = self._deltas.get(tenant_id)
+            self._deltas[tenant_id] = earlier.then(delta) if earlier is not None else delta
 
     def _set_counter(self, tenant_id: str, state: _Tenant, value: float) -> None:
         state.counter = value

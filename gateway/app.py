@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from admission.admitter import AdmissionConfig, Admitter
 from admission.controller import AdmissionController, ControllerConfig
+from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
 from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
@@ -62,6 +63,9 @@ class AccessConfig:
     """How often the decode workers' KV-cache usage is read from their ``/metrics``."""
     key_cache_ttl_s: float = 0.5
     """How long a key lookup is reused: revocations and plan changes take effect within it."""
+    fairness_sync_interval_s: float = 0.1
+    """How often this replica's fairness counters are shared through Redis (with a Redis URL):
+    a tenant's service on one replica counts on the others within about this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +115,16 @@ def create_app(
             )
             await admitter.start()
             resources.push_async_callback(admitter.aclose)
+            if access.stores.redis_url:
+                # Replicas share fairness too: a tenant's service on any of them counts here.
+                fairness = RedisFairnessSync(
+                    admitter.fair_queue,
+                    access.stores.redis_url,
+                    interval_s=access.fairness_sync_interval_s,
+                    timeout_s=access.stores.timeout_s,
+                )
+                await fairness.start()
+                resources.push_async_callback(fairness.aclose)
             authenticator = Authenticator(
                 stores.registry,
                 required=access.auth_required,

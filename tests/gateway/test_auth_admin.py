@@ -150,6 +150,7 @@ async def test_a_burst_on_a_cold_key_looks_it_up_once(tmp_path: Path) -> None:
             admin_key=ADMIN_KEY,
             stores=StoreConfig(redis_url=server.url),
             key_touch_interval_s=3600,  # no last-used write (a script too) during the burst
+            fairness_sync_interval_s=3600,  # nor a fairness sync (a script as well)
         )
         async with make_fake_stack(access=access) as stack:
             api_key = await stack.new_tenant("acme")  # unlimited: no quota script runs
