@@ -330,7 +330,8 @@ async def test_concurrent_creates_of_one_name_across_two_registries_let_one_win(
     )
     winners = [result for result in results if isinstance(result, Tenant)]
     assert len(winners) == 1
-    assert all(isinstance(r, TenantExistsError) for r in results if r is not winners[0])
+    losers = [r for r in results if r is not winners[0]]
+    assert all(isinstance(r, TenantExistsError) for r in losers), [repr(r) for r in losers]
     for replica in replicas:
         assert await replica.list_tenants() == winners
 
