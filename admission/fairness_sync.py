@@ -30,13 +30,9 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from admission.fair_queue import CounterDelta
 from admission.quota import StoreUnavailable
+from admission.redis_conn import bounded, connect
 
 log = logging.getLogger("tandem.admission")
 
@@ -122,18 +118,8 @@ class RedisFairnessSync:
             raise ValueError("RedisFairnessSync: ttl_s must be > 0")
         if not timeout_s > 0:
             raise ValueError("RedisFairnessSync: timeout_s must be > 0")
-        # One round trip at a time needs one connection. No client retries, as in the quota
-        # store: a dead Redis must fail the round trip at once, and the deltas wait for the next.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=1,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
-        self._redis = Redis.from_pool(pool)
+        # One round trip at a time needs one connection (admission/redis_conn.py says the rest).
+        self._redis = connect(url, timeout_s, max_connections=1)
         self._script = self._redis.register_script(_SYNC)
         self._keys = [f"{key_prefix}counters", f"{key_prefix}touched"]
         self._queue = queue
@@ -207,14 +193,7 @@ class RedisFairnessSync:
             await self.sync()
 
     async def _run(self, call: Awaitable[_T]) -> _T:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            # TimeoutError is also asyncio.timeout's; OSError covers refused and reset connections.
-            raise StoreUnavailable(
-                f"fairness store unreachable: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await bounded(call, self._timeout_s, "fairness store")
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

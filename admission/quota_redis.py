@@ -17,15 +17,9 @@ Numbers travel as strings both ways, because Redis truncates a Lua number reply 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 from uuid import uuid4
-
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from admission.plans import QuotaLimits
 from admission.quota import (
@@ -33,9 +27,9 @@ from admission.quota import (
     LimitKind,
     QuotaSnapshot,
     Reservation,
-    StoreUnavailable,
 )
 from admission.quota_memory import pick_denial, snapshot_from_levels
+from admission.redis_conn import bounded, connect
 
 _T = TypeVar("_T")
 
@@ -134,9 +128,6 @@ local rl = level(KEYS[2], tonumber(ARGV[2]))
 return {fmt(tl), fmt(rl), redis.call('ZCOUNT', KEYS[3], '(' .. fmt(now), '+inf')}
 """
 
-MAX_CONNECTIONS = 256
-"""Connections one store (one gateway) opens to Redis at most; a script runs in microseconds."""
-
 _WAIT_KINDS = (LimitKind.TOKENS, LimitKind.REQUESTS, LimitKind.CONCURRENCY)
 
 
@@ -146,21 +137,7 @@ class RedisQuotaStore:
     def __init__(
         self, url: str, *, key_prefix: str = "tandem:quota:", timeout_s: float = 0.5
     ) -> None:
-        # No client-side retries: a blind retry of a script whose reply was lost would take or
-        # refund twice, and a dead store must answer at once. The pool still replaces the
-        # connections a restarted server closed, so the store recovers on the next call.
-        # A blocking pool: a burst beyond its size waits its turn instead of failing the way
-        # the default pool does past ``max_connections``.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
-        self._redis = Redis.from_pool(pool)
+        self._redis = connect(url, timeout_s)  # see admission/redis_conn.py
         self._prefix = key_prefix
         # Bounds a whole call (connect, EVALSHA, the script-cache fallback after a restart),
         # where the socket timeouts bound each operation alone.
@@ -241,12 +218,7 @@ class RedisQuotaStore:
         return [f"{base}:tokens", f"{base}:requests", f"{base}:holds"]
 
     async def _run(self, call: Awaitable[_T]) -> _T:
-        try:
-            async with asyncio.timeout(self._deadline_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            # TimeoutError is also asyncio.timeout's; OSError covers refused and reset connections.
-            raise StoreUnavailable(f"quota store unreachable: {type(exc).__name__}: {exc}") from exc
+        return await bounded(call, self._deadline_s, "quota store")
 
 
 def _cap(limit: int | None) -> str:

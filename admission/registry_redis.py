@@ -22,20 +22,14 @@ the prefix must carry a hash tag (``{tandem}:``) to keep the whole registry in o
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from admission.plan_codec import key_from_dict, key_to_dict, tenant_from_dict, tenant_to_dict
 from admission.plans import Plan
-from admission.quota import StoreUnavailable
+from admission.redis_conn import bounded, connect
 from admission.registry import TenantExistsError, UnknownKeyError, UnknownTenantError
 from admission.tenants import (
     ApiKey,
@@ -118,30 +112,12 @@ return 0
 
 _KEY_FIELDS = ("data", "revoked_at", "last_used_at")
 
-MAX_CONNECTIONS = 256
-"""Connections one registry (one gateway) opens to Redis at most; a lookup takes microseconds
-and keys are cached, so a burst waits briefly for one instead of failing."""
-
 
 class RedisTenantRegistry:
     """Tenants and keys in Redis. Construction does no I/O; connections open on first use."""
 
     def __init__(self, url: str, *, key_prefix: str = "tandem:", timeout_s: float = 0.5) -> None:
-        # No client-side retries: a blind retry of a script whose reply was lost would report
-        # a tenant it just created as taken, and a dead store must answer at once. The pool
-        # still replaces connections a restarted server closed, so the next call recovers.
-        # A blocking pool: redis-py's default one raises "Too many connections" past 100
-        # connections, which turned a burst of key lookups into 503s on a healthy store.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
-        self._redis = Redis.from_pool(pool)
+        self._redis = connect(url, timeout_s)  # see admission/redis_conn.py
         self._p = key_prefix
         # Bounds one round trip (connect, EVALSHA, the script-cache fallback after a restart),
         # where the socket timeouts bound each operation alone.
@@ -287,14 +263,7 @@ class RedisTenantRegistry:
         return f"{self._p}tenant_keys:{tenant_id}"
 
     async def _run(self, call: Awaitable[_T]) -> _T:
-        try:
-            async with asyncio.timeout(self._deadline_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            # TimeoutError is also asyncio.timeout's; OSError covers refused and reset connections.
-            raise StoreUnavailable(
-                f"tenant registry unreachable: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await bounded(call, self._deadline_s, "tenant registry")
 
 
 def _key(fields: Sequence[Any]) -> ApiKey:
