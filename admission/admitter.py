@@ -160,6 +160,11 @@ class Admitter:
         return len(self._fair)
 
     @property
+    def capacity(self) -> int:
+        """Requests the capacity signal allows in flight right now."""
+        return self._capacity.capacity()
+
+    @property
     def num_in_flight(self) -> int:
         """Slots held (admitted, not yet released)."""
         return self._num_in_flight

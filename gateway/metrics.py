@@ -89,6 +89,12 @@ class GatewayMetrics:
             registry=self.registry,
         )  # fmt: skip
         in_flight.set_function(lambda: admitter.num_in_flight)
+        capacity = Gauge(
+            "tandem_admission_capacity",
+            "Requests the decode pool may run now (healthy workers below the KV watermark).",
+            registry=self.registry,
+        )
+        capacity.set_function(lambda: admitter.capacity)
 
     def observe_rejection(self, code: str | None) -> None:
         """A request refused before it was admitted."""

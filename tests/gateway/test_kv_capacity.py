@@ -42,11 +42,11 @@ async def stack(tmp_path: Path) -> AsyncIterator[FakeStack]:
 
 async def test_a_worker_with_a_full_kv_cache_holds_requests_in_the_queue(stack: FakeStack) -> None:
     stack.decode.kv_usage_override = 0.97
-    await asyncio.sleep(0.2)  # a few polls of the workers' /metrics
+    await _until_gauge_reads(stack, "tandem_admission_capacity", "0.0")  # the watcher saw it
     waiting = asyncio.create_task(
         stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
     )
-    await _until_queued_gauge_reads(stack, "1.0")
+    await _until_gauge_reads(stack, "tandem_admission_queued", "1.0")
     assert not waiting.done()
     assert stack.decode.stats.num_requests == 0
 
@@ -56,13 +56,13 @@ async def test_a_worker_with_a_full_kv_cache_holds_requests_in_the_queue(stack: 
     assert stack.decode.stats.num_requests == 1
 
 
-async def _until_queued_gauge_reads(stack: FakeStack, value: str) -> None:
+async def _until_gauge_reads(stack: FakeStack, name: str, value: str) -> None:
     async def read() -> str:
         text = (await stack.admin.get("/metrics")).text
-        [line] = [ln for ln in text.splitlines() if ln.startswith("tandem_admission_queued ")]
+        [line] = [ln for ln in text.splitlines() if ln.startswith(f"{name} ")]
         return line.split()[1]
 
-    deadline = asyncio.get_running_loop().time() + 5
+    deadline = asyncio.get_running_loop().time() + 10
     while await read() != value:
-        assert asyncio.get_running_loop().time() < deadline, f"queue gauge never read {value}"
+        assert asyncio.get_running_loop().time() < deadline, f"{name} never read {value}"
         await asyncio.sleep(0.05)
