@@ -103,6 +103,20 @@ class QuotaStore(Protocol):
         ...
 
 
+def check_reserve_args(tokens: int, hold_s: float) -> None:
+    """The arguments every store's ``reserve`` refuses (a caller's bug, not a client error)."""
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    if hold_s <= 0:
+        raise ValueError(f"hold_s must be > 0, got {hold_s}")
+
+
+def check_used_tokens(used_tokens: int) -> None:
+    """What every store's ``reconcile`` refuses."""
+    if used_tokens < 0:
+        raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
+
+
 class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time (callers apply the
     fail-open / fail-closed policy)."""

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from uuid import uuid4
 
 from admission.plans import QuotaLimits
-from admission.quota import Denial, LimitKind, QuotaSnapshot, Reservation
+from admission.quota import (
+    Denial,
+    LimitKind,
+    QuotaSnapshot,
+    Reservation,
+    check_reserve_args,
+    check_used_tokens,
+)
 
 SECONDS_PER_MINUTE = 60.0
 
@@ -111,10 +118,7 @@ class MemoryQuotaStore:
     ) -> Reservation | Denial:
         """Atomically take one request, ``tokens`` tokens and a concurrency hold that expires
         after ``hold_s`` seconds, or nothing."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
-        if hold_s <= 0:
-            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        check_reserve_args(tokens, hold_s)
         now = self._clock()
         tenant = self._tenants.setdefault(tenant_id, _Tenant())
         _drop_expired(tenant, now)
@@ -161,8 +165,7 @@ class MemoryQuotaStore:
     ) -> None:
         """Settle a reservation against real usage and release its concurrency hold; with
         ``ran=False`` also give the request unit back."""
-        if used_tokens < 0:
-            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
+        check_used_tokens(used_tokens)
         now = self._clock()
         tenant = self._tenants.setdefault(reservation.tenant_id, _Tenant())
         tenant.holds.pop(reservation.reservation_id, None)

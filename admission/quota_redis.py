@@ -27,6 +27,8 @@ from admission.quota import (
     LimitKind,
     QuotaSnapshot,
     Reservation,
+    check_reserve_args,
+    check_used_tokens,
 )
 from admission.quota_memory import pick_denial, snapshot_from_levels
 from admission.redis_conn import bounded, connect
@@ -151,10 +153,7 @@ class RedisQuotaStore:
     ) -> Reservation | Denial:
         """Atomically take one request, ``tokens`` tokens and a concurrency hold that expires
         after ``hold_s`` seconds, or nothing."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
-        if hold_s <= 0:
-            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        check_reserve_args(tokens, hold_s)
         reservation_id = uuid4().hex
         args = [
             *_capacities(limits),
@@ -187,8 +186,7 @@ class RedisQuotaStore:
     ) -> None:
         """Settle a reservation against real usage and release its concurrency hold; with
         ``ran=False`` also give the request unit back."""
-        if used_tokens < 0:
-            raise ValueError(f"used_tokens must be >= 0, got {used_tokens}")
+        check_used_tokens(used_tokens)
         args = [
             _cap(limits.tpm),
             str(reservation.tokens - used_tokens),

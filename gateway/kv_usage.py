@@ -14,6 +14,7 @@ import logging
 
 import aiohttp
 
+from gateway.worker_metrics import fetch_metrics_text
 from workers.registry import Worker, WorkerSource
 
 log = logging.getLogger("tandem.gateway")
@@ -59,16 +60,9 @@ class KvUsageWatcher:
             await asyncio.sleep(self._interval_s)
 
     async def _read(self, worker: Worker) -> float | None:
-        try:
-            async with self._session.get(
-                f"{worker.base_url}/metrics",
-                timeout=aiohttp.ClientTimeout(total=self._interval_s),
-            ) as response:
-                if response.status != 200:
-                    return None
-                return parse_kv_usage(await response.text())
-        except (aiohttp.ClientError, TimeoutError):
-            return None  # unknown, not full: health checks decide whether the worker is gone
+        # No answer reads as unknown, not full: health checks decide whether the worker is gone.
+        text = await fetch_metrics_text(self._session, worker, self._interval_s)
+        return None if text is None else parse_kv_usage(text)
 
 
 def parse_kv_usage(metrics_text: str) -> float | None:

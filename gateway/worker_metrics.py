@@ -50,7 +50,9 @@ async def scrape_workers(
 ) -> str:
     """Prometheus text for the exported counters of every healthy worker."""
     workers = [worker for pool in pools for worker in pool.workers if worker.healthy]
-    texts = await asyncio.gather(*(_fetch(session, worker, timeout_s) for worker in workers))
+    texts = await asyncio.gather(
+        *(fetch_metrics_text(session, worker, timeout_s) for worker in workers)
+    )
     values: dict[str, list[str]] = {name: [] for name, _, _ in _EXPORTED.values()}
     for worker, text in zip(workers, texts, strict=True):
         if text is None:
@@ -70,7 +72,10 @@ async def scrape_workers(
     return "\n".join(lines) + "\n" if lines else ""
 
 
-async def _fetch(session: aiohttp.ClientSession, worker: Worker, timeout_s: float) -> str | None:
+async def fetch_metrics_text(
+    session: aiohttp.ClientSession, worker: Worker, timeout_s: float
+) -> str | None:
+    """A worker's ``/metrics`` text, or None if it does not answer 200 within ``timeout_s``."""
     try:
         async with session.get(
             f"{worker.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
