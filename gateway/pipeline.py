@@ -87,11 +87,7 @@ class ServingPipeline:
     def check_decode_available(self) -> None:
         """503 at once when no decode worker is healthy: better than a long wait in the
         admission queue for a worker that may take minutes to come back."""
-        if not any(worker.healthy for worker in self._decode.workers):
-            raise NoHealthyWorkerError(
-                "No healthy decode worker is available; retry shortly.",
-                retry_after_s=_NO_WORKER_RETRY_AFTER_S,
-            )
+        _pick(self._decode, "decode")  # the same check and error as routing's
 
     async def complete(
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
