@@ -6,18 +6,23 @@ renders them in one handler; a stream that already started carries them as one `
 
     TandemError                      500 api_error
     ├── InvalidRequestError          400 invalid_request_error
-    │   └── ContextLengthExceededError   400 code=context_length_exceeded
+    │   ├── ContextLengthExceededError   400 code=context_length_exceeded
+    │   └── ContentFilterError           400 code=content_filter (input moderation blocked it)
     ├── AuthenticationError          401 authentication_error
     ├── PermissionDeniedError        403 permission_denied
     ├── NotFoundError                404 not_found_error (admin resources)
     ├── ModelNotFoundError           404 code=model_not_found
     ├── ConflictError                409 code=conflict
+    │   └── IdempotencyInProgressError   409 code=idempotency_key_in_use, retry-after
+    ├── IdempotencyMismatchError     422 code=idempotency_key_reused (same key, other body)
     ├── RateLimitError               429 code=rate_limit_exceeded, retry-after
     │   └── QuotaExhaustedError          429 code=insufficient_quota, x-should-retry: false
     ├── OverloadedError              503 code=overloaded, retry-after (admission shed the request)
     ├── NoHealthyWorkerError         503 code=no_healthy_worker, retry-after
     ├── ClientDisconnectedError      499 (client left while queued: for logs and counters)
     ├── StoreUnavailableError        503 code=store_unavailable (quota store down, fail-closed)
+    ├── ModerationUnavailableError   503 code=moderation_unavailable (a fail-closed provider failed)
+    ├── DeadlineExceededError        504 code=deadline_exceeded, x-should-retry: false
     └── EngineError                  502 code=engine_error (a worker failed or answered junk)
         └── EngineTimeoutError       504 code=engine_timeout
 """
@@ -89,6 +94,12 @@ class ContextLengthExceededError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
 
+class ContentFilterError(InvalidRequestError):
+    """Input moderation blocked the request; nothing was generated or charged."""
+
+    default_code = "content_filter"
+
+
 class AuthenticationError(TandemError):
     """Missing, unknown or revoked API key."""
 
@@ -127,6 +138,20 @@ class ConflictError(TandemError):
     status_code = 409
     error_type = "invalid_request_error"
     default_code = "conflict"
+
+
+class IdempotencyInProgressError(ConflictError):
+    """A request with the same ``Idempotency-Key`` is still running; retry after it ends."""
+
+    default_code = "idempotency_key_in_use"
+
+
+class IdempotencyMismatchError(TandemError):
+    """The ``Idempotency-Key`` was already used with a different request body."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+    default_code = "idempotency_key_reused"
 
 
 class RateLimitError(TandemError):
@@ -192,3 +217,23 @@ class StoreUnavailableError(TandemError):
     status_code = 503
     error_type = "service_unavailable"
     default_code = "store_unavailable"
+
+
+class ModerationUnavailableError(TandemError):
+    """A moderation provider the policy requires failed and its failure policy is closed."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "moderation_unavailable"
+
+
+class DeadlineExceededError(TandemError):
+    """The request's deadline passed (in the queue, prefill or decode). Retrying the same
+    request with the same deadline would most likely time out again, so the SDK is told not to."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, should_retry=False)
