@@ -133,12 +133,21 @@ class AdmissionController:
         self._on_store_error = on_store_error
 
     async def admit(
-        self, tenant: Tenant, estimate: TokenEstimate, deadline: float | None
+        self,
+        tenant: Tenant,
+        estimate: TokenEstimate,
+        deadline: float | None,
+        on_reserved: Callable[[dict[str, str]], None] | None = None,
     ) -> Admission:
-        """Admit a request or raise the error its client gets (400, 429 or 503)."""
+        """Admit a request or raise the error its client gets (400, 429 or 503).
+
+        ``on_reserved`` hears the rate-limit headers once the quota is reserved, before the
+        wait in the queue."""
         plan = tenant.plan
         check_plan_limits(plan, estimate)
         reservation = await self._reserve_to_the_end(tenant, estimate)
+        if on_reserved is not None and reservation is not None:
+            on_reserved(ratelimit_headers(reservation.snapshot))
         try:
             slot = await self._admitter.admit(
                 tenant.tenant_id, plan.weight, plan.band, estimate.prompt_tokens, deadline

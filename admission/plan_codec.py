@@ -14,6 +14,7 @@ from typing import Any
 
 from admission.plans import Plan, PriorityBand
 from admission.tenants import ApiKey, Tenant
+from core.moderation import ModerationPolicy
 
 _PLAN_FIELDS = tuple(field.name for field in dataclasses.fields(Plan))  # declaration order
 _INT_LIMITS = ("tpm", "rpm", "max_concurrent", "max_prompt_tokens", "max_output_tokens")
@@ -23,6 +24,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Every field of the plan; the band as its string value."""
     data = {name: getattr(plan, name) for name in _PLAN_FIELDS}
     data["band"] = plan.band.value
+    data["moderation"] = None if plan.moderation is None else plan.moderation.to_dict()
     return data
 
 
@@ -47,6 +49,11 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
             raise ValueError(
                 f"plan field 'band' must be one of {choices}, got {kwargs['band']!r}"
             ) from None
+    moderation = kwargs.get("moderation")
+    if moderation is not None:
+        if not isinstance(moderation, Mapping):
+            raise ValueError("plan field 'moderation' must be an object or null")
+        kwargs["moderation"] = ModerationPolicy.from_dict(moderation)
     return Plan(**kwargs)
 
 

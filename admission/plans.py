@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from core.moderation import ModerationPolicy
+
 
 class PriorityBand(enum.StrEnum):
     """Admission bands, served strictly in this order; fairness applies within a band."""
@@ -40,6 +42,8 @@ class Plan:
     """Fairness weight: under contention a tenant gets service in proportion to it."""
     band: PriorityBand = PriorityBand.STANDARD
     """Priority band: interactive before standard before batch."""
+    moderation: ModerationPolicy | None = None
+    """Input and output moderation; ``None`` follows the gateway's default policy."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from core.messages import ServingPath, Usage
+from core.moderation import ModerationDecision
 
 
 class RequestPhase(enum.IntEnum):
@@ -57,6 +58,12 @@ class Request:
     """Content chunks relayed to the client per choice (about one token each), for billing a
     stream that ended without the engine's usage."""
     usage: Usage | None = None
+    """The engine's count: its final usage chunk, or the latest running count (vLLM's
+    ``continuous_usage_stats``) when the stream was cut, so what was produced is billed."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which the request must end; queue, legs and stream honour it."""
+    moderation: list[ModerationDecision] = field(default_factory=list)
+    """Every moderation decision taken on this request (input and output, flags included)."""
     finish_reason: str | None = None
     error_code: str | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -83,7 +90,7 @@ class Request:
         """The request completed; ``usage`` is the engine's count (None if it sent none)."""
         self._end(RequestPhase.FINISHED)
         self.finish_reason = finish_reason
-        self.usage = usage
+        self.usage = usage or self.usage
 
     def fail(self, error_code: str | None) -> None:
         """The request ended with an error the client was sent."""
@@ -93,6 +100,10 @@ class Request:
     def abort(self) -> None:
         """The client went away before the request ended."""
         self._end(RequestPhase.ABORTED)
+
+    def remaining_s(self) -> float | None:
+        """Seconds left before the deadline (negative once passed); None without one."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     @property
     def ttft_s(self) -> float | None:

@@ -20,6 +20,7 @@ from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
 from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
+from gateway.deadlines import DeadlineConfig
 from gateway.errors import install_error_handlers
 from gateway.gate import Gate, GateConfig
 from gateway.kv_usage import KvUsageWatcher
@@ -80,6 +81,8 @@ class GatewayConfig:
     """When a request is split across prefill and decode workers."""
     access: AccessConfig = field(default_factory=AccessConfig)
     """Tenants, quotas and admission."""
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    """Default and longest request deadlines."""
 
 
 def create_app(
@@ -145,6 +148,7 @@ def create_app(
             app.state.admission = controller
             app.state.admin_auth = AdminAuth(access.admin_key, authenticator)
             app.state.sse_ping_interval_s = config.sse_ping_interval_s
+            app.state.deadlines = config.deadlines
             app.state.engine = engine
             metrics.watch_admission(admitter)
             yield

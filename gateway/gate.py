@@ -17,8 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.controller import Admission, AdmissionController, used_tokens
-from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounter, estimate_tokens
-from core.errors import ClientDisconnectedError, TandemError
+from admission.tokens import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    TokenCounter,
+    TokenEstimate,
+    estimate_tokens,
+)
+from core.errors import (
+    ClientDisconnectedError,
+    DeadlineExceededError,
+    OverloadedError,
+    TandemError,
+)
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
 from gateway.auth import Authenticator, Caller
@@ -71,15 +81,21 @@ class Gate:
         request: Request,
         max_model_len: int | None,
         client_gone: ClientGone | None = None,
+        on_reserved: Callable[[dict[str, str]], None] | None = None,
     ) -> Admission:
         """Reserve quota and wait for a slot; the caller must ``settle`` what this returns.
 
-        With ``client_gone``, a hang-up before admission gives everything back and raises
-        ``ClientDisconnectedError``."""
+        The queue wait ends at the queue timeout or the request's own deadline, whichever
+        comes first (504 ``deadline_exceeded`` for the latter). With ``client_gone``, a hang-up
+        before admission gives everything back and raises ``ClientDisconnectedError``.
+        ``on_reserved`` gets the rate-limit headers as soon as the quota is reserved (a stream
+        that starts while still queued sends them)."""
         cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens)
         estimate = await estimate_tokens(endpoint, body, self._counter, max_model_len)
         deadline = time.monotonic() + self._config.queue_timeout_s
-        admitting = self._controller.admit(caller.tenant, estimate, deadline)
+        if request.deadline is not None:
+            deadline = min(deadline, request.deadline)
+        admitting = self._admit_before_deadline(caller, estimate, deadline, request, on_reserved)
         try:
             if client_gone is None:
                 admission = await admitting
@@ -96,6 +112,25 @@ class Gate:
         request.advance(RequestPhase.ADMITTED)
         self._metrics.observe_admitted(str(caller.tenant.plan.band), admission.queue_wait_s)
         return admission
+
+    async def _admit_before_deadline(
+        self,
+        caller: Caller,
+        estimate: TokenEstimate,
+        deadline: float,
+        request: Request,
+        on_reserved: Callable[[dict[str, str]], None] | None,
+    ) -> Admission:
+        try:
+            return await self._controller.admit(caller.tenant, estimate, deadline, on_reserved)
+        except OverloadedError as exc:
+            remaining = request.remaining_s()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceededError(
+                    "The request's deadline passed while it waited for admission; send it "
+                    "with a longer x-tandem-timeout-ms, or retry when the load is lower."
+                ) from exc
+            raise
 
     async def settle(self, admission: Admission, request: Request) -> None:
         """Charge what the request really used and give the rest back (exactly once: later

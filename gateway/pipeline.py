@@ -26,8 +26,9 @@ from core.errors import (
 )
 from core.messages import Endpoint, ServingPath, Usage
 from core.request import Request, RequestPhase
+from gateway.deadlines import within_deadline
 from gateway.metrics import GatewayMetrics
-from gateway.relay import RelayStream, log_request_end, response_id
+from gateway.relay import RelayHooks, RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient, EngineStream
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig, Reason, decide
@@ -102,10 +103,11 @@ class ServingPipeline:
                 )
 
         with self._ended_on_error(request):
-            # A timed-out non-streaming answer is not retried: that would double the wait.
-            _, response = await self._decode_with_retry(
-                endpoint, body, request, call, retry_timeouts=False
-            )
+            async with within_deadline(request, "before the answer was complete"):
+                # A timed-out non-streaming answer is not retried: that would double the wait.
+                _, response = await self._decode_with_retry(
+                    endpoint, body, request, call, retry_timeouts=False
+                )
         response.pop("kv_transfer_params", None)
         response["id"] = response_id(endpoint, request)
         response["created"] = request.created
@@ -120,31 +122,36 @@ class ServingPipeline:
         endpoint: Endpoint,
         body: dict[str, Any],
         request: Request,
-        on_output: Callable[[int], None] | None = None,
-        before_last_event: Callable[[], Awaitable[None]] | None = None,
+        hooks: RelayHooks | None = None,
     ) -> RelayStream:
         """Open the decode stream; the caller relays it and must ``aclose()`` it.
 
         Everything that can fail before the first byte (routing, the prefill leg, the decode
         worker refusing) raises here, so the client gets a real HTTP error status.
-        ``on_output`` hears of every batch of output tokens relayed (fair-queue charging);
-        ``before_last_event`` is awaited once the request ended, before its last event.
+        ``hooks`` (charging, settlement, output moderation, recording) act on the relay.
         """
 
         async def call(worker: Worker, leg: dict[str, Any]) -> EngineStream:
-            leg["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            # Usage on every chunk too: a stream cut short (client gone, deadline, content
+            # filter) is billed from the engine's own count of what it produced.
+            leg["stream_options"] = {
+                **(body.get("stream_options") or {}),
+                "include_usage": True,
+                "continuous_usage_stats": True,
+            }
             with worker.lease():
                 return await self._engine.open_stream(worker, endpoint, leg, request.request_id)
 
         with self._ended_on_error(request):
-            # A first byte that never comes is a stalled KV transfer: re-run colocated.
-            decode_worker, upstream = await self._decode_with_retry(
-                endpoint, body, request, call, retry_timeouts=True
-            )
+            async with within_deadline(request, "before the first token"):
+                # A first byte that never comes is a stalled KV transfer: re-run colocated.
+                decode_worker, upstream = await self._decode_with_retry(
+                    endpoint, body, request, call, retry_timeouts=True
+                )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return RelayStream(
             upstream, decode_worker, request, endpoint, include_usage, self._observe_end,
-            on_output, before_last_event,
+            hooks or RelayHooks(),
         )  # fmt: skip
 
     async def _decode_with_retry(

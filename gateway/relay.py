@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -17,10 +18,25 @@ import orjson
 from core.errors import EngineError, TandemError
 from core.messages import Endpoint, Usage
 from core.request import Request, RequestPhase
+from gateway.output_filter import OutputFilter
 from gateway.upstream import EngineStream
 from workers.registry import Worker
 
 log = logging.getLogger("tandem.requests")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHooks:
+    """What the caller wants to hear from, or do to, a relayed stream."""
+
+    on_output: Callable[[int], None] | None = None
+    """Told each batch of output tokens as it arrives (the fair queue's output charge)."""
+    before_last_event: Callable[[], Awaitable[None]] | None = None
+    """Awaited once the request ended, before its last event (quota settlement)."""
+    output_filter: OutputFilter | None = None
+    """Output moderation: rewrites or holds back chunks, cuts blocked choices."""
+    on_chunk: Callable[[dict[str, Any]], None] | None = None
+    """Sees every chunk exactly as the client gets it (idempotent requests store them)."""
 
 
 class RelayStream:
@@ -39,8 +55,7 @@ class RelayStream:
         endpoint: Endpoint,
         include_usage: bool,
         on_end: Callable[[Request], None],
-        on_output: Callable[[int], None] | None = None,
-        before_last_event: Callable[[], Awaitable[None]] | None = None,
+        hooks: RelayHooks,
     ) -> None:
         self._upstream = upstream
         self._response_id = response_id(endpoint, request)
@@ -49,9 +64,9 @@ class RelayStream:
         self._request = request
         self._include_usage = include_usage
         self._on_end = on_end
-        self._on_output = on_output
-        self._before_last_event = before_last_event
+        self._hooks = hooks
         self._closed = False
+        self._choice_tokens: dict[int, int] = {}
         # The worker's slot is held for the stream's whole life, across calls: an ExitStack
         # keeps Worker.lease() the one way slots are counted.
         self._lease = ExitStack()
@@ -64,7 +79,7 @@ class RelayStream:
         usage: Usage | None = None
         request.advance(RequestPhase.DECODING)
         try:
-            async for payload in self._upstream.events():
+            async for payload in self._upstream.events(request.deadline):
                 chunk = self._parse(payload)
                 choices = chunk.get("choices")
                 if not choices:
@@ -72,23 +87,32 @@ class RelayStream:
                     if chunk.get("usage"):
                         usage = Usage.from_openai(chunk["usage"])
                         if self._include_usage:
-                            yield orjson.dumps(chunk).decode()
+                            yield self._emit(chunk)
                     continue
-                num_tokens = 0
-                for choice in choices:
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                    num_tokens += _has_content(choice, self._content_key)
-                if num_tokens:
-                    request.num_streamed_tokens += num_tokens
-                    if self._on_output is not None:
-                        self._on_output(num_tokens)
+                if chunk.get("usage"):
+                    self._running_usage(chunk["usage"], choices)
+                self._count_output(choices)
                 if self._include_usage:
                     chunk["usage"] = None
                 else:
                     chunk.pop("usage", None)
+                output_filter = self._hooks.output_filter
+                if output_filter is not None:
+                    filtered = await output_filter.filter_chunk(chunk)
+                    if filtered is None:
+                        continue  # held back until the moderation window has seen it
+                    chunk = filtered
+                for choice in chunk["choices"]:
+                    finish_reason = choice.get("finish_reason") or finish_reason
                 request.mark_first_token()
                 for part in split_finish_chunk(chunk, self._content_key):
-                    yield orjson.dumps(part).decode()
+                    yield self._emit(part)
+                if output_filter is not None and output_filter.all_blocked:
+                    # Every choice was cut: stop the engine now, bill what it produced.
+                    self._upstream.close()
+                    if self._include_usage and request.usage is not None:
+                        yield self._emit(self._usage_chunk(chunk, request.usage))
+                    break
         except TandemError as exc:
             # Headers are gone: the error becomes one event and the stream ends (WIRE.md §1).
             request.fail(exc.code)
@@ -102,11 +126,53 @@ class RelayStream:
         await self._settle()
         yield "[DONE]"
 
+    def _count_output(self, choices: list[dict[str, Any]]) -> None:
+        """Output tokens as the engine sends them (about one per content delta): the fair
+        queue charges them, and a stream cut without the engine's usage is billed by them."""
+        num_tokens = sum(_has_content(choice, self._content_key) for choice in choices)
+        if num_tokens:
+            self._request.num_streamed_tokens += num_tokens
+            if self._hooks.on_output is not None:
+                self._hooks.on_output(num_tokens)
+
+    def _emit(self, chunk: dict[str, Any]) -> str:
+        if self._hooks.on_chunk is not None:
+            self._hooks.on_chunk(chunk)
+        return orjson.dumps(chunk).decode()
+
+    @staticmethod
+    def _usage_chunk(last: dict[str, Any], usage: Usage) -> dict[str, Any]:
+        """The usage chunk vLLM would have sent, for a stream the gateway ended itself."""
+        return {
+            "id": last["id"],
+            "object": last.get("object"),
+            "created": last["created"],
+            "model": last.get("model"),
+            "choices": [],
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+            },
+        }
+
+    def _running_usage(self, usage: dict[str, Any], choices: list[dict[str, Any]]) -> None:
+        """vLLM's ``continuous_usage_stats``: each chunk carries its choice's output so far.
+        Kept on the request, so a stream cut short is billed what the engine produced."""
+        for choice in choices:
+            self._choice_tokens[int(choice.get("index", 0))] = int(
+                usage.get("completion_tokens") or 0
+            )
+        self._request.usage = Usage(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=sum(self._choice_tokens.values()),
+        )
+
     async def _settle(self) -> None:
         # Before the last event: a client that sends its next request on reading [DONE]
         # must find this one's quota settled and its concurrency slot free.
-        if self._before_last_event is not None:
-            await self._before_last_event()
+        if self._hooks.before_last_event is not None:
+            await self._hooks.before_last_event()
 
     async def aclose(self) -> None:
         if self._closed:

@@ -15,7 +15,7 @@ from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 from admission.controller import AdmissionController
-from admission.plan_codec import key_to_dict, plan_to_dict, tenant_to_dict
+from admission.plan_codec import key_to_dict, plan_from_dict, plan_to_dict, tenant_to_dict
 from admission.plans import Plan, PriorityBand
 from admission.quota import StoreUnavailable
 from admission.registry import (
@@ -25,12 +25,36 @@ from admission.registry import (
     UnknownTenantError,
 )
 from admission.tenants import ApiKey, Tenant
-from core.errors import ConflictError, NotFoundError, StoreUnavailableError
+from core.errors import ConflictError, InvalidRequestError, NotFoundError, StoreUnavailableError
+from core.moderation import Action
 from gateway.auth import AdminAuth
 
 T = TypeVar("T")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 Limit = Annotated[int, Field(ge=1)] | None
+
+
+class StagePolicyFields(BaseModel):
+    """Moderation of one stage: the providers that check the text and an action per category."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    providers: list[Annotated[str, Field(min_length=1)]] = []
+    """Provider names: ``rules`` (built in) or a remote provider the operator configured."""
+    actions: dict[str, Action] = {}
+    """Category (one of OpenAI's 13, or ``pii``; ``*`` for the rest) -> allow, flag, redact or
+    block."""
+
+
+class ModerationFields(BaseModel):
+    """A tenant's moderation policy; ``null`` follows the gateway's default."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    input: StagePolicyFields = StagePolicyFields()
+    """Checked before admission: block -> 400 content_filter; redact rewrites the prompt."""
+    output: StagePolicyFields = StagePolicyFields()
+    """Checked on the stream: block ends the choice with finish_reason content_filter."""
 
 
 class PlanFields(BaseModel):
@@ -53,11 +77,27 @@ class PlanFields(BaseModel):
     """Fair-share weight under contention."""
     band: PriorityBand = PriorityBand.STANDARD
     """interactive, standard or batch."""
+    moderation: ModerationFields | None = None
+    """Input/output moderation; null follows the gateway's default policy."""
 
-    def apply_to(self, plan: Plan) -> Plan:
+    def apply_to(self, plan: Plan, known_providers: frozenset[str]) -> Plan:
+        """``plan`` with the fields this body set; 400 if the policy names an unknown provider."""
         changed = self.model_fields_set & set(PlanFields.model_fields)
-        values = plan_to_dict(plan) | self.model_dump(include=changed)
-        return Plan(**{**values, "band": PriorityBand(values["band"])})
+        values = plan_to_dict(plan) | self.model_dump(include=changed, mode="json")
+        try:
+            updated = plan_from_dict(values)
+        except ValueError as exc:  # an unknown category: the codec names it
+            raise InvalidRequestError(str(exc), param="moderation") from exc
+        if updated.moderation is not None:
+            named = set(updated.moderation.input.providers + updated.moderation.output.providers)
+            unknown = sorted(named - known_providers)
+            if unknown:
+                raise InvalidRequestError(
+                    f"Unknown moderation provider(s) {', '.join(unknown)}; this gateway has: "
+                    f"{', '.join(sorted(known_providers))}.",
+                    param="moderation",
+                )
+        return updated
 
 
 class TenantCreate(PlanFields):
@@ -88,6 +128,15 @@ def get_registry(http_request: HttpRequest) -> TenantRegistry:
     return registry
 
 
+def get_moderation_providers(http_request: HttpRequest) -> frozenset[str]:
+    """Names a tenant's moderation policy may use (the gateway's configured providers)."""
+    names: frozenset[str] = http_request.app.state.moderator.provider_names
+    return names
+
+
+ProvidersDep = Annotated[frozenset[str], Depends(get_moderation_providers)]
+
+
 def get_controller(http_request: HttpRequest) -> AdmissionController:
     controller: AdmissionController = http_request.app.state.admission
     return controller
@@ -98,9 +147,11 @@ router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(req
 
 
 @router.post("/tenants", status_code=201)
-async def create_tenant(body: TenantCreate, registry: RegistryDep) -> dict[str, Any]:
+async def create_tenant(
+    body: TenantCreate, registry: RegistryDep, providers: ProvidersDep
+) -> dict[str, Any]:
     """Create a tenant with a plan."""
-    plan = body.apply_to(Plan())
+    plan = body.apply_to(Plan(), providers)
     try:
         tenant = await _store(registry.create_tenant(body.name, plan))
     except TenantExistsError as exc:
@@ -124,13 +175,14 @@ async def get_tenant(tenant: str, registry: RegistryDep) -> dict[str, Any]:
 
 
 @router.patch("/tenants/{tenant}")
-async def update_tenant(tenant: str, body: PlanFields, registry: RegistryDep) -> dict[str, Any]:
-    """Change quotas, weight or band; omitted fields keep their values."""
+async def update_tenant(
+    tenant: str, body: PlanFields, registry: RegistryDep, providers: ProvidersDep
+) -> dict[str, Any]:
+    """Change quotas, weight, band or moderation; omitted fields keep their values."""
     current = await _resolve(registry, tenant)
+    plan = body.apply_to(current.plan, providers)
     try:
-        updated = await _store(
-            registry.update_tenant(current.tenant_id, body.apply_to(current.plan))
-        )
+        updated = await _store(registry.update_tenant(current.tenant_id, plan))
     except UnknownTenantError as exc:
         raise _not_found(tenant) from exc
     return tenant_to_dict(updated)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -12,17 +11,17 @@ from fastapi import APIRouter, Depends
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.types import Receive, Scope, Send
 
-from core.errors import InvalidRequestError, TandemError
+from core.errors import InvalidRequestError
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
+from gateway.deadlines import TIMEOUT_HEADER, DeadlineConfig, request_deadline
 from gateway.errors import invalid_request_from_validation
+from gateway.execution import Execution
 from gateway.gate import Gate
 from gateway.pipeline import ServingPipeline
-from gateway.relay import RelayStream
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.sse import serve_stream
 
 router = APIRouter()
 
@@ -46,39 +45,6 @@ def get_ping_interval(http_request: HttpRequest) -> float:
 PipelineDep = Annotated[ServingPipeline, Depends(get_pipeline)]
 GateDep = Annotated[Gate, Depends(get_gate)]
 PingDep = Annotated[float, Depends(get_ping_interval)]
-
-
-class OpenAIEventStream(EventSourceResponse):
-    """Data-only SSE as the OpenAI SDKs expect: ``\\n`` separators, ``: ping`` heartbeats.
-
-    The relay is closed and ``on_close`` awaited however the response ends, even if the client
-    left before the first event (then the body generator never runs, so its own cleanup could
-    not).
-    """
-
-    def __init__(
-        self,
-        relay: RelayStream,
-        headers: dict[str, str],
-        ping_interval_s: float,
-        on_close: Callable[[], Awaitable[None]],
-    ) -> None:
-        super().__init__(
-            relay.events(),
-            sep="\n",
-            ping=ping_interval_s,
-            ping_message_factory=lambda: ServerSentEvent(comment="ping"),
-            headers={"Cache-Control": "no-cache", **headers},
-        )
-        self._relay = relay
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.aclose()
-            await self._on_close()
 
 
 @router.post("/v1/chat/completions")
@@ -137,40 +103,25 @@ async def _serve(
     except ValidationError as exc:
         raise invalid_request_from_validation(exc) from exc
     model = pipeline.check_model(str(body["model"]))
+    limits: DeadlineConfig = http_request.app.state.deadlines
     request = Request(
         request_id=uuid.uuid4().hex,
         model=model.name,
         stream=bool(body.get("stream")),
         tenant_id=caller.tenant.tenant_id,
+        deadline=request_deadline(
+            http_request.headers.get(TIMEOUT_HEADER), limits.default_s, limits.max_s
+        ),
     )
     request.advance(RequestPhase.AUTHENTICATED)
     pipeline.check_decode_available()
-    admission = await gate.admit(
-        caller, endpoint, body, request, model.max_model_len, _client_gone(http_request)
+    execution = Execution(
+        gate, pipeline, caller, endpoint, body, request, model, _client_gone(http_request)
     )
-    headers = {
-        "x-request-id": request.request_id,
-        "x-tandem-queue-ms": str(round((request.queue_wait_s or 0.0) * 1000)),
-        **admission.headers(),
-    }
-    try:
-        if request.stream:
-            # Settled before [DONE] when the stream ends normally; on_close covers the rest
-            # (client gone, never started). Settling twice is a no-op.
-            settle = functools.partial(gate.settle, admission, request)
-            relay = await pipeline.stream(endpoint, body, request, admission.charge_output, settle)
-            return OpenAIEventStream(relay, headers, ping_interval_s, settle)
-        result = await pipeline.complete(endpoint, body, request)
-    except TandemError as exc:
-        # An error after admission still carries the request id and rate-limit headers.
-        exc.extra_headers = {**headers, **exc.extra_headers}
-        await gate.settle(admission, request)
-        raise
-    except BaseException:
-        await gate.settle(admission, request)
-        raise
-    await gate.settle(admission, request)
-    return Response(orjson.dumps(result), media_type="application/json", headers=headers)
+    if request.stream:
+        return await serve_stream(execution, ping_interval_s)
+    result = await execution.complete()
+    return Response(orjson.dumps(result), media_type="application/json", headers=execution.headers)
 
 
 def _client_gone(http_request: HttpRequest) -> Callable[[], Awaitable[None]]:

@@ -70,8 +70,15 @@ class TandemSettings(BaseSettings):
     decode_first_byte_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for a decode stream's first token (KV transfer included); past it the
     request is re-run colocated on a decode worker."""
-    sse_ping_interval_s: float = Field(15.0, gt=0)
-    """Heartbeat comment interval on client streams."""
+    sse_ping_interval_s: float = Field(15.0, ge=0)
+    """Heartbeat comment interval on client streams (0: none). A stream whose request is still
+    queued or prefilling after one interval starts anyway, with a heartbeat, so clients and
+    proxies with idle timeouts keep it open."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of a request without ``x-tandem-timeout-ms``, from arrival to its last byte
+    (queue, prefill and decode); past it the request ends with 504 ``deadline_exceeded``."""
+    max_request_timeout_s: float = Field(3600.0, gt=0)
+    """The longest deadline a client may ask for with ``x-tandem-timeout-ms``."""
     health_interval_s: float = Field(1.0, gt=0)
     """How often each worker's ``/health`` is polled."""
 

@@ -21,6 +21,7 @@ from core.messages import WorkerRole
 from decode_pool import DecodePool, decode_worker_specs
 from gateway.admin_key import load_or_create_admin_key
 from gateway.app import AccessConfig, GatewayConfig, create_app
+from gateway.deadlines import DeadlineConfig
 from gateway.gate import GateConfig
 from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
@@ -175,6 +176,9 @@ class Stack:
                 first_byte_timeout_s=settings.decode_first_byte_timeout_s,
             ),
             sse_ping_interval_s=settings.sse_ping_interval_s,
+            deadlines=DeadlineConfig(
+                default_s=settings.request_timeout_s, max_s=settings.max_request_timeout_s
+            ),
             decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
             access=access_config(settings, self.model_dir),
         )

@@ -9,6 +9,7 @@ error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from core.errors import (
     TandemError,
 )
 from core.messages import Endpoint
+from gateway.deadlines import deadline_error
 from workers.registry import Worker
 
 _CONTEXT_LENGTH_MARKERS = ("maximum context length", "context length", "max_model_len")
@@ -64,15 +66,30 @@ class EngineStream:
                 f"decode worker {self._worker.name} sent no first token in {timeout_s:.0f} s"
             ) from exc
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self, deadline: float | None = None) -> AsyncIterator[bytes]:
         """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``.
 
         Raises ``EngineError`` if the worker ends the stream without ``[DONE]`` (it died or
-        dropped the connection) and ``EngineTimeoutError`` if it goes silent.
+        dropped the connection), ``EngineTimeoutError`` if it goes silent, and
+        ``DeadlineExceededError`` if ``deadline`` (``time.monotonic()``) passes first.
         """
         if self._first is not None:
             yield self._first
-        async for payload in self._payloads:
+        if deadline is None:
+            async for payload in self._payloads:
+                yield payload
+            return
+        while True:
+            # The timeout covers the read only, never the consumer's work between reads.
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()) as scope:
+                    payload = await anext(self._payloads)
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                if scope.expired():
+                    raise deadline_error("while it was streaming") from exc
+                raise
             yield payload
 
     async def _read(self) -> AsyncIterator[bytes]:

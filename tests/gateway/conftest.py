@@ -6,6 +6,7 @@ Fast tier only: the same behaviours are checked against real vLLM workers in ``t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import socket
 import tempfile
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -86,13 +88,14 @@ async def make_fake_stack(
     num_decode: int = 1,
     num_prefill: int = 1,
     access: AccessConfig | None = None,
+    gateway: dict[str, Any] | None = None,
     **upstream: float,
 ) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
 
     ``prefill``/``decode`` are the first engines of each role; all are in ``prefills``/``decodes``.
     Tenants live in a throwaway SQLite file unless ``access`` says otherwise; the admin key is
-    ``ADMIN_KEY``.
+    ``ADMIN_KEY``. ``gateway`` replaces other ``GatewayConfig`` fields.
     """
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     prefills = [
@@ -138,6 +141,7 @@ async def make_fake_stack(
             admin_key=ADMIN_KEY, stores=StoreConfig(sqlite_path=state_dir / "tandem.db")
         ),
     )
+    config = dataclasses.replace(config, **(gateway or {}))
     app = create_app(config, pools[0], pools[1], [ServedModel(MODEL, 256, 0)])
     port = _free_port()
     server = uvicorn.Server(

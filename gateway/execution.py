@@ -1,0 +1,144 @@
+"""One accepted request from admission to its last byte: what it holds and how it lets go.
+
+    Execution.open_stream() -> admit (quota, fair queue) -> pipeline.stream (legs, first token)
+    Execution.events()      -> the relayed chunks, then [DONE] or one error event
+    Execution.aclose()      -> close the relay (aborts the engine request), settle the quota
+
+    Execution.complete()    -> the same for a non-streaming request, settled before it returns
+
+Quota is settled exactly once, before the stream's last event when it ends normally, in
+``aclose()`` otherwise (client gone, failure, never started). Headers grow as the request
+advances: the request id at once, ``x-ratelimit-*`` when the quota is reserved,
+``x-tandem-queue-ms`` when admitted; a stream that must start early sends what is known then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from admission.controller import Admission
+from core.errors import ClientDisconnectedError, TandemError
+from core.messages import Endpoint
+from core.request import Request
+from gateway.auth import Caller
+from gateway.gate import ClientGone, Gate
+from gateway.output_filter import OutputFilter
+from gateway.pipeline import ServedModel, ServingPipeline
+from gateway.relay import RelayHooks, RelayStream
+
+
+class Execution:
+    """Runs one request the gateway accepted; owns its admission and its relay."""
+
+    def __init__(
+        self,
+        gate: Gate,
+        pipeline: ServingPipeline,
+        caller: Caller,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        request: Request,
+        model: ServedModel,
+        client_gone: ClientGone | None,
+        output_filter: OutputFilter | None = None,
+        on_chunk: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """``client_gone`` lets a hang-up stop the request (leave the queue, cancel a
+        non-streaming engine call); ``None`` runs it to the end whatever the client does."""
+        self.request = request
+        self.headers: dict[str, str] = {"x-request-id": request.request_id}
+        self._gate = gate
+        self._pipeline = pipeline
+        self._caller = caller
+        self._endpoint = endpoint
+        self._body = body
+        self._model = model
+        self._client_gone = client_gone
+        self._output_filter = output_filter
+        self._on_chunk = on_chunk
+        self._admission: Admission | None = None
+        self._relay: RelayStream | None = None
+
+    async def open_stream(self) -> None:
+        """Admit the request and open its decode stream (up to the first token). Errors
+        raised here can still be HTTP statuses; they carry this request's headers."""
+        with self._with_headers():
+            admission = await self._admit()
+            hooks = RelayHooks(
+                on_output=admission.charge_output,
+                before_last_event=functools.partial(self._gate.settle, admission, self.request),
+                output_filter=self._output_filter,
+                on_chunk=self._on_chunk,
+            )
+            self._relay = await self._pipeline.stream(
+                self._endpoint, self._body, self.request, hooks
+            )
+
+    async def events(self) -> AsyncIterator[str]:
+        """The client's SSE payloads; ``open_stream()`` must have returned."""
+        if self._relay is None:
+            raise RuntimeError("Execution.events() before open_stream() completed")
+        async for payload in self._relay.events():
+            yield payload
+
+    async def complete(self) -> dict[str, Any]:
+        """Serve a non-streaming request. With ``client_gone``, a client that hangs up stops
+        the engine work (the upstream call is cancelled, so vLLM aborts it)."""
+        try:
+            with self._with_headers():
+                await self._admit()
+                serving = self._pipeline.complete(self._endpoint, self._body, self.request)
+                if self._client_gone is None:
+                    return await serving
+                return await _unless_gone(serving, self._client_gone)
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Idempotent: drop the engine stream and settle whatever was admitted."""
+        if self._relay is not None:
+            await self._relay.aclose()
+        if self._admission is not None:
+            await self._gate.settle(self._admission, self.request)
+
+    async def _admit(self) -> Admission:
+        self._admission = await self._gate.admit(
+            self._caller, self._endpoint, self._body, self.request, self._model.max_model_len,
+            self._client_gone, on_reserved=self.headers.update,
+        )  # fmt: skip
+        queue_ms = round((self.request.queue_wait_s or 0.0) * 1000)
+        self.headers["x-tandem-queue-ms"] = str(queue_ms)
+        return self._admission
+
+    @contextmanager
+    def _with_headers(self) -> Iterator[None]:
+        """An error before the first byte still carries the request id and rate-limit
+        headers."""
+        try:
+            yield
+        except TandemError as exc:
+            exc.extra_headers = {**self.headers, **exc.extra_headers}
+            raise
+
+
+async def _unless_gone(
+    serving: Awaitable[dict[str, Any]], client_gone: ClientGone
+) -> dict[str, Any]:
+    """``serving``'s result, unless the client hangs up first: then it is cancelled."""
+    task: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(serving)
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.wait((task, watcher))
+    if task.cancelled():
+        # Nobody reads this answer; it is for the logs and the counters.
+        raise ClientDisconnectedError("The client closed the connection before the answer.")
+    return task.result()
