@@ -32,21 +32,11 @@ def texts_of(endpoint: Endpoint, body: dict[str, Any]) -> list[str]:
 def with_texts(endpoint: Endpoint, body: dict[str, Any], texts: Sequence[str]) -> dict[str, Any]:
     """A copy of ``body`` with its texts (as :func:`texts_of` lists them) replaced by
     ``texts``, in the same order; ``body`` itself is not changed."""
+    count = len(texts_of(endpoint, body))
+    if count != len(texts):
+        raise ValueError(f"with_texts got {len(texts)} texts; the body has {count}")
     supply = iter(texts)
-    used = 0
-
-    def replace(_old: str) -> str:
-        nonlocal used
-        used += 1
-        try:
-            return next(supply)
-        except StopIteration:
-            raise ValueError(f"with_texts got {len(texts)} texts; the body has more") from None
-
-    copy = _walk(endpoint, body, replace)
-    if used != len(texts):
-        raise ValueError(f"with_texts got {len(texts)} texts; the body has {used}")
-    return copy
+    return _walk(endpoint, body, lambda _old: next(supply))
 
 
 def _walk(endpoint: Endpoint, body: dict[str, Any], visit: _Replace) -> dict[str, Any]:
