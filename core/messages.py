@@ -41,6 +41,17 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object (``prompt_tokens_details`` only when some were cached)."""
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
     @classmethod
     def from_openai(cls, usage: dict[str, Any]) -> Usage:
         """Read an OpenAI ``usage`` object (vLLM's, possibly with prompt_tokens_details)."""

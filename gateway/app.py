@@ -20,13 +20,16 @@ from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
 from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
+from gateway.content_policy import ContentPolicy, ModerationSetup, build_moderator
 from gateway.deadlines import DeadlineConfig
 from gateway.errors import install_error_handlers
 from gateway.gate import Gate, GateConfig
+from gateway.idempotent import IdempotencyConfig, IdempotentRuns
 from gateway.kv_usage import KvUsageWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.routes_admin import router as admin_router
+from gateway.routes_openai import OpenAIServices
 from gateway.routes_openai import router as openai_router
 from gateway.stores import StoreConfig, open_stores
 from gateway.upstream import EngineClient, UpstreamConfig
@@ -83,6 +86,10 @@ class GatewayConfig:
     """Tenants, quotas and admission."""
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     """Default and longest request deadlines."""
+    moderation: ModerationSetup = field(default_factory=ModerationSetup)
+    """Moderation providers and the default policy."""
+    idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
+    """Retention of idempotent answers."""
 
 
 def create_app(
@@ -140,15 +147,25 @@ def create_app(
                 stores.quotas, admitter, access.controller, metrics.observe_store_error
             )
             counter = await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir)
-            app.state.pipeline = ServingPipeline(
-                engine, prefill, decode, models, config.decider, metrics
+            moderator = await asyncio.to_thread(build_moderator, config.moderation)
+            await moderator.start()
+            resources.push_async_callback(moderator.aclose)
+            idempotency = IdempotentRuns(stores.idempotency, config.idempotency)
+            # Closed before the stores and the engine client: runs still going need both.
+            resources.push_async_callback(idempotency.aclose)
+            app.state.openai = OpenAIServices(
+                pipeline=ServingPipeline(engine, prefill, decode, models, config.decider, metrics),
+                gate=Gate(access.gate, authenticator, controller, counter, metrics),
+                content=ContentPolicy(moderator, config.moderation.default_policy, metrics),
+                idempotency=idempotency,
+                metrics=metrics,
+                deadlines=config.deadlines,
+                ping_interval_s=config.sse_ping_interval_s,
             )
-            app.state.gate = Gate(access.gate, authenticator, controller, counter, metrics)
+            app.state.moderator = moderator
             app.state.registry = stores.registry
             app.state.admission = controller
             app.state.admin_auth = AdminAuth(access.admin_key, authenticator)
-            app.state.sse_ping_interval_s = config.sse_ping_interval_s
-            app.state.deadlines = config.deadlines
             app.state.engine = engine
             metrics.watch_admission(admitter)
             yield

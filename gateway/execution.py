@@ -85,6 +85,11 @@ class Execution:
         async for payload in self._relay.events():
             yield payload
 
+    @property
+    def stream_error(self) -> TandemError | None:
+        """The error a started stream ended with (sent to the client as one event)."""
+        return None if self._relay is None else self._relay.error
+
     async def complete(self) -> dict[str, Any]:
         """Serve a non-streaming request. With ``client_gone``, a client that hangs up stops
         the engine work (the upstream call is cancelled, so vLLM aborts it)."""

@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from admission.admitter import Admitter
+from core.moderation import ModerationDecision
 from core.request import Request
 from workers.registry import WorkerSource
 
@@ -75,6 +76,18 @@ class GatewayMetrics:
             ("tenant",),
             registry=self.registry,
         )
+        self._moderation = Counter(
+            "tandem_moderation_decisions",
+            "Moderation decisions (flags included), by stage, category, provider and action.",
+            ("stage", "category", "provider", "action"),
+            registry=self.registry,
+        )
+        self._idempotency = Counter(
+            "tandem_idempotency_requests",
+            "Requests with an Idempotency-Key, by outcome (run, replayed, in_progress, mismatch).",
+            ("outcome",),
+            registry=self.registry,
+        )
         self.registry.register(_WorkerCollector(pools))
 
     def watch_admission(self, admitter: Admitter) -> None:
@@ -99,6 +112,15 @@ class GatewayMetrics:
     def observe_rejection(self, code: str | None) -> None:
         """A request refused before it was admitted."""
         self._rejections.labels(code or "none").inc()
+
+    def observe_moderation(self, decision: ModerationDecision) -> None:
+        self._moderation.labels(
+            decision.stage.value, decision.category.value, decision.provider,
+            decision.action.value,
+        ).inc()  # fmt: skip
+
+    def observe_idempotency(self, outcome: str) -> None:
+        self._idempotency.labels(outcome).inc()
 
     def observe_admitted(self, band: str, queue_wait_s: float) -> None:
         self._queue_wait.labels(band).observe(queue_wait_s)

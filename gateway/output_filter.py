@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moderation.stream import Release, StreamModerator
-
 from core.messages import Endpoint
 from core.moderation import ModerationDecision
+from moderation.stream import Release, StreamModerator
 
 CONTENT_FILTER = "content_filter"
 

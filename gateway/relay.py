@@ -66,6 +66,8 @@ class RelayStream:
         self._on_end = on_end
         self._hooks = hooks
         self._closed = False
+        self.error: TandemError | None = None
+        """The error that ended the stream after its first byte, if one did."""
         self._choice_tokens: dict[int, int] = {}
         # The worker's slot is held for the stream's whole life, across calls: an ExitStack
         # keeps Worker.lease() the one way slots are counted.
@@ -115,6 +117,7 @@ class RelayStream:
                     break
         except TandemError as exc:
             # Headers are gone: the error becomes one event and the stream ends (WIRE.md §1).
+            self.error = exc
             request.fail(exc.code)
             log.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
             self._on_end(request)
@@ -149,11 +152,7 @@ class RelayStream:
             "created": last["created"],
             "model": last.get("model"),
             "choices": [],
-            "usage": {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.total_tokens,
-            },
+            "usage": usage.to_openai(),
         }
 
     def _running_usage(self, usage: dict[str, Any], choices: list[dict[str, Any]]) -> None:

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class RemoteModerationSettings(BaseModel):
+    """One remote ``/v1/moderations`` server (see ``moderation.remote.RemoteProviderConfig``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    model: str | None = None
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(2.0, gt=0)
+    on_failure: Literal["open", "closed"] = "open"
+    threshold: float | None = Field(None, ge=0, le=1)
 
 
 class TandemSettings(BaseSettings):
@@ -110,6 +123,21 @@ class TandemSettings(BaseSettings):
     takes no new requests: they wait in the fair queue instead of making vLLM preempt."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
+
+    idempotency_retention_s: float = Field(24 * 3600.0, gt=0)
+    """How long the answer to a request with an ``Idempotency-Key`` is kept for its retries."""
+    moderation_rules: Path | None = None
+    """JSON rules file for the built-in ``rules`` moderation provider (term lists, patterns,
+    PII detectors); unset = the shipped default rules."""
+    moderation_providers: dict[str, RemoteModerationSettings] = Field(default_factory=dict)
+    """Remote OpenAI-compatible moderation servers by name, as JSON, e.g.
+    ``{"guard": {"url": "http://guard:8000", "model": "llama-guard", "on_failure": "closed"}}``."""
+    moderation_default_policy: dict[str, Any] | None = None
+    """Moderation policy (JSON, as in the admin API's ``moderation`` field) of tenants that set
+    none; unset = no moderation."""
+    moderation_window_chars: int = Field(48, ge=1)
+    """Output characters held back while streaming so a term split across chunks is caught;
+    at least the longest rule. Each stream's first text is delayed by about this much."""
 
     @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
     @classmethod

@@ -18,16 +18,21 @@ from fastapi import FastAPI
 
 from admission.controller import ControllerConfig, StoreFailurePolicy
 from core.messages import WorkerRole
+from core.moderation import ModerationPolicy
 from decode_pool import DecodePool, decode_worker_specs
 from gateway.admin_key import load_or_create_admin_key
 from gateway.app import AccessConfig, GatewayConfig, create_app
+from gateway.content_policy import ModerationSetup
 from gateway.deadlines import DeadlineConfig
 from gateway.gate import GateConfig
+from gateway.idempotent import IdempotencyConfig
 from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
 from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
+from moderation.remote import RemoteProviderConfig
+from moderation.stream import StreamConfig
 from prefill_pool import PrefillPool, prefill_worker_specs
 from workers.model import ModelPreparationError, PreparedModel, find_prepared
 from workers.pool import PoolConfig, WorkerPool
@@ -181,8 +186,37 @@ class Stack:
             ),
             decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
             access=access_config(settings, self.model_dir),
+            moderation=moderation_setup(settings),
+            idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),
         )
         return create_app(config, self.prefill, self.decode, [self.model])
+
+
+def moderation_setup(settings: TandemSettings) -> ModerationSetup:
+    """Moderation providers and the default policy as the settings ask."""
+    remote = {
+        name: RemoteProviderConfig(
+            url=provider.url,
+            model=provider.model,
+            api_key=provider.api_key.get_secret_value() if provider.api_key else None,
+            timeout_s=provider.timeout_s,
+            on_failure=provider.on_failure,
+            threshold=provider.threshold,
+        )
+        for name, provider in settings.moderation_providers.items()
+    }
+    policy = settings.moderation_default_policy
+    return ModerationSetup(
+        rules_path=settings.moderation_rules,
+        remote=remote,
+        default_policy=ModerationPolicy.from_dict(policy, "TANDEM_MODERATION_DEFAULT_POLICY")
+        if policy
+        else ModerationPolicy(),
+        stream=StreamConfig(
+            window_chars=settings.moderation_window_chars,
+            overlap_chars=settings.moderation_window_chars,
+        ),
+    )
 
 
 def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessConfig:

@@ -1,10 +1,13 @@
-"""Building the tenant registry and the quota store the configuration asks for."""
+"""Building the tenant registry, the quota store and the idempotency store the configuration
+asks for."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from admission.idempotency import IdempotencyStore, MemoryIdempotencyStore
+from admission.idempotency_redis import RedisIdempotencyStore
 from admission.quota import QuotaStore
 from admission.quota_memory import MemoryQuotaStore
 from admission.quota_redis import RedisQuotaStore
@@ -30,8 +33,10 @@ class StoreConfig:
 class Stores:
     registry: TenantRegistry
     quotas: QuotaStore
+    idempotency: IdempotencyStore
 
     async def aclose(self) -> None:
+        await self.idempotency.aclose()
         await self.quotas.aclose()
         await self.registry.aclose()
 
@@ -42,7 +47,8 @@ async def open_stores(config: StoreConfig) -> Stores:
         return Stores(
             RedisTenantRegistry(config.redis_url, timeout_s=config.timeout_s),
             RedisQuotaStore(config.redis_url, timeout_s=config.timeout_s),
+            RedisIdempotencyStore(config.redis_url, timeout_s=config.timeout_s),
         )
     registry = SqliteTenantRegistry(config.sqlite_path)
     await registry.start()
-    return Stores(registry, MemoryQuotaStore())
+    return Stores(registry, MemoryQuotaStore(), MemoryIdempotencyStore())

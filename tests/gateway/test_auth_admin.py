@@ -231,6 +231,7 @@ async def test_create_get_list_and_duplicate_tenant(stack: FakeStack) -> None:
         "max_output_tokens": None,
         "weight": 1.0,
         "band": "interactive",
+        "moderation": None,
     }
 
     by_id = await stack.admin.get(f"/admin/v1/tenants/{tenant['tenant_id']}")

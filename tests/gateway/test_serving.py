@@ -55,7 +55,7 @@ async def test_stream_without_include_usage_has_no_usage_anywhere(fake_stack: Fa
     assert sum(1 for chunk in chunks if chunk.choices[0].delta.content) == 4
     # The engine was still asked for usage (billing needs it).
     [leg2] = fake_stack.decode.stats.requests
-    assert leg2["body"]["stream_options"] == {"include_usage": True}
+    assert leg2["body"]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 async def test_stream_with_include_usage_has_one_usage_chunk_last(fake_stack: FakeStack) -> None:
@@ -318,7 +318,10 @@ async def test_decode_failure_before_first_byte_is_rerun_colocated(fake_stack: F
     first, retry = fake_stack.decode.stats.requests
     assert "kv_transfer_params" in first["body"]
     assert "kv_transfer_params" not in retry["body"], "the re-run is colocated"
-    assert retry["body"]["stream_options"] == {"include_usage": True}
+    assert retry["body"]["stream_options"] == {
+        "include_usage": True,
+        "continuous_usage_stats": True,
+    }
     assert 'path="fallback",reason="decode_failed"} 1.0' in await _metrics(fake_stack)
 
 
