@@ -177,8 +177,8 @@ def load_rules(path: Path | None) -> RuleSet:
 
 
 def _term_regex(terms: Sequence[str]) -> re.Pattern[str]:
-    """One alternation for a category's terms: longest first, so a phrase wins over a term
-    it contains; ``(?<!\\w)``/``(?!\\w)`` rather than ``\\b`` so terms that start or end with
+    """One alternation for terms: longest first, so a phrase wins over a term it contains;
+    ``(?<!\\w)``/``(?!\\w)`` rather than ``\\b`` so terms that start or end with
     punctuation still need a word edge outside them."""
     words = sorted({tuple(t.lower().split()) for t in terms}, key=lambda w: -len(" ".join(w)))
     alternatives = "|".join(r"\s+".join(re.escape(w) for w in phrase) for phrase in words)
@@ -199,6 +199,10 @@ class RulesProvider:
         self._terms = [
             (category, _term_regex(terms)) for category, terms in rules.terms.items() if terms
         ]
+        # Most text matches no term: one scan with every term finds that, and only a text it
+        # matches pays for the per-category scans (which keep overlapping hits apart).
+        everything = [t for terms in rules.terms.values() for t in terms]
+        self._any_term = _term_regex(everything) if everything else None
         self._patterns = [
             (category, name, re.compile(regex, re.IGNORECASE))
             for category, named in rules.patterns.items()
@@ -214,11 +218,12 @@ class RulesProvider:
     def check_text(self, text: str) -> TextResult:
         """Every hit in one text, with spans."""
         hits: list[Hit] = []
-        for category, regex in self._terms:
-            hits.extend(
-                Hit(category, self.name, m.start(), m.end(), 1.0, TERMS_DETECTOR)
-                for m in regex.finditer(text)
-            )
+        if self._any_term is not None and self._any_term.search(text) is not None:
+            for category, regex in self._terms:
+                hits.extend(
+                    Hit(category, self.name, m.start(), m.end(), 1.0, TERMS_DETECTOR)
+                    for m in regex.finditer(text)
+                )
         for category, name, regex in self._patterns:
             hits.extend(
                 Hit(category, self.name, m.start(), m.end(), 1.0, name)
