@@ -34,19 +34,6 @@ class Hit:
         """True when the provider cannot say where in the text the hit is."""
         return self.start is None or self.end is None
 
-    def shifted(self, offset: int) -> Hit:
-        """The same hit with its span moved by ``offset`` (whole-text hits stay whole)."""
-        if self.start is None or self.end is None:
-            return self
-        return Hit(
-            self.category,
-            self.provider,
-            self.start + offset,
-            self.end + offset,
-            self.score,
-            self.detector,
-        )
-
 
 _ALL = frozenset(Category)
 

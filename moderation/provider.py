@@ -6,6 +6,10 @@ remote provider's HTTP session) also implement :class:`ManagedProvider`: the
 :class:`~moderation.moderator.Moderator` starts and closes exactly those, found with
 ``isinstance`` on this runtime-checkable protocol, so a provider without resources (the rule
 set) need not carry empty ``start``/``aclose`` methods.
+
+A provider whose matches have a bounded length (the rules) also exposes ``max_term_chars``;
+the moderator refuses a stream window shorter than that, since a longer match could leave
+before it is complete.
 """
 
 from __future__ import annotations

@@ -100,7 +100,11 @@ class StreamModerator:
         return self._blocked
 
     async def feed(self, text: str) -> Release:
-        """Add the next chunk; return what may be sent now."""
+        """Add the next chunk; return what may be sent now.
+
+        Errors of the check (a fail-closed provider's ``ModerationUnavailableError``) pass
+        through: the stream has started, so the caller ends it with an error event.
+        """
         if self._blocked:
             return Release("", True)
         self._pending += text
