@@ -26,7 +26,7 @@ from core.messages import Endpoint
 from core.request import Request
 from gateway.auth import Caller
 from gateway.gate import ClientGone, Gate
-from gateway.output_filter import OutputFilter
+from gateway.output_filter import CONTENT_FILTER, OutputFilter
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.relay import RelayHooks, RelayStream
 
@@ -98,8 +98,14 @@ class Execution:
                 await self._admit()
                 serving = self._pipeline.complete(self._endpoint, self._body, self.request)
                 if self._client_gone is None:
-                    return await serving
-                return await _unless_gone(serving, self._client_gone)
+                    result = await serving
+                else:
+                    result = await _unless_gone(serving, self._client_gone)
+                if self._output_filter is not None:
+                    await self._output_filter.filter_response(result)
+                    if self._output_filter.blocked:
+                        self.request.finish_reason = CONTENT_FILTER
+                return result
         finally:
             await self.aclose()
 

@@ -73,7 +73,9 @@ the producer's ``aclose()``), else it is a KV load failure: vLLM's 500, or a loc
 form): ``token_delay_s``, ``first_token_delay_s``, ``fail_status`` (+ ``fail_times``),
 ``die_after_tokens`` (cut the connection), ``error_after_tokens`` (vLLM in-stream error event),
 ``max_model_len``, ``garbage_response``, ``healthy``, ``max_num_seqs`` (extra requests wait and
-show in ``num_requests_waiting``). ``aclose()`` cuts in-flight requests like a crash. The routes
+show in ``num_requests_waiting``), ``scripted_output`` (every choice answers this text in
+5-character tokens, to plant terms and PII split across chunks). ``aclose()`` cuts in-flight
+requests like a crash. The routes
 ``POST /_fake/config`` (a JSON object of those attributes) and ``GET /_fake/stats`` drive a child
 process (``python -m tests.fakes.fake_engine``, prints ``FAKE_ENGINE_READY <url>``); vLLM has no
 such routes.
@@ -123,7 +125,9 @@ RUNTIME_ATTRS = (
     "kv_load_failure_policy",
     "kv_lease_s",
     "max_num_seqs",
+    "scripted_output",
 )
+SCRIPT_TOKEN_CHARS = 5
 _XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 _ENGINES: dict[str, FakeEngine] = {}  # engine_id -> live engine in this process (KV registry)
@@ -244,6 +248,14 @@ def _plan_choice(
     return [*deltas, ""], "stop", None  # EOS: a counted token with no text
 
 
+def _scripted_choice(script: str, limit: int) -> tuple[list[str], str, str | None]:
+    """``script`` in 5-character tokens (so words and e-mails split across chunks), EOS last."""
+    deltas = [script[k : k + SCRIPT_TOKEN_CHARS] for k in range(0, len(script), SCRIPT_TOKEN_CHARS)]
+    if limit <= len(deltas):
+        return deltas[:limit], "length", None
+    return [*deltas, ""], "stop", None
+
+
 class FakeEngine:
     """An in-process fake vLLM OpenAI server. Fault knobs are plain attributes, settable live."""
 
@@ -273,6 +285,7 @@ class FakeEngine:
         self.kv_load_failure_policy = "fail"  # or "recompute"
         self.kv_lease_s = 30.0
         self.max_num_seqs: int | None = None
+        self.scripted_output: str | None = None  # every choice says this, in 5-char tokens
         self.block_size = 16
         self.kv_bytes_per_token = 23_040  # SmolLM2-135M bf16: 30 layers x 2 x 3 x 64 x 2
         self.kv_capacity_tokens = 100_000
@@ -744,7 +757,9 @@ class FakeEngine:
             self.stats.num_local_prefills += 1
             self.stats.prompt_tokens_local_compute += prompt_tokens
         plans = [
-            _plan_choice(f"{i}:{prompts[p]}", self.output_tokens, limit, stop)
+            _scripted_choice(self.scripted_output, limit)
+            if self.scripted_output is not None
+            else _plan_choice(f"{i}:{prompts[p]}", self.output_tokens, limit, stop)
             for p in range(len(prompts))
             for i in range(n)
         ]
