@@ -24,7 +24,7 @@ from core.errors import TandemError
 
 log = logging.getLogger("tandem.requests")
 
-PING = ServerSentEvent(comment="ping")
+PING = ServerSentEvent(comment="ping", sep="\n")  # sse-starlette's default separator is \r\n
 
 
 class StreamSource(Protocol):
