@@ -7,6 +7,7 @@ Teardown is a test of its own: SIGTERM to ``tandem up`` must leave no process be
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +51,14 @@ class LiveStack:
             issued = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
             assert issued.status_code == 201, issued.text
             return str(issued.json()["key"])
+
+
+def worker_gauge(worker_url: str, name: str) -> float:
+    """A gauge from a vLLM worker's ``/metrics`` (e.g. ``vllm:kv_cache_usage_perc``)."""
+    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}}\s+([0-9.e+-]+)$", text, re.M)
+    assert found, f"{worker_url}/metrics has no {name}"
+    return float(found.group(1))
 
 
 def _free_port_block(size: int) -> int:

@@ -6,7 +6,6 @@ and no leg 2 follows.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 
@@ -15,18 +14,13 @@ import pytest
 
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.legs import prefill_leg_body
-from tests.e2e.conftest import LiveStack
+from tests.e2e.conftest import LiveStack, worker_gauge
 
 pytestmark = pytest.mark.e2e
 
-_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.e+-]+)$", re.M)
-
 
 def kv_cache_usage(worker_url: str) -> float:
-    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
-    found = _USAGE.search(text)
-    assert found, f"{worker_url}/metrics has no vllm:kv_cache_usage_perc"
-    return float(found.group(1))
+    return worker_gauge(worker_url, "vllm:kv_cache_usage_perc")
 
 
 def test_abandoned_prefill_kv_returns_to_baseline(live_stack: LiveStack) -> None:

@@ -4,7 +4,6 @@ requests run once and replay, and moderation acts on real model output."""
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from typing import Any
@@ -13,18 +12,13 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import LiveStack
+from tests.e2e.conftest import LiveStack, worker_gauge
 
 pytestmark = pytest.mark.e2e
 
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+-]+)$", re.M)
-
 
 def num_running(worker_url: str) -> float:
-    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
-    found = _RUNNING.search(text)
-    assert found, f"{worker_url}/metrics has no vllm:num_requests_running"
-    return float(found.group(1))
+    return worker_gauge(worker_url, "vllm:num_requests_running")
 
 
 def _wait_for(condition: object, timeout_s: float, what: str) -> None:
