@@ -36,6 +36,7 @@ from admission.idempotency import (
 from core.errors import (
     IdempotencyInProgressError,
     IdempotencyMismatchError,
+    StoreUnavailableError,
     TandemError,
 )
 from core.messages import Endpoint
@@ -139,18 +140,25 @@ class IdempotentRuns:
         return tee
 
     async def _run_stream(self, key: IdempotentKey, execution: Execution, tee: TeeSource) -> None:
+        # The key is settled before the client hears how its request ended (the error status,
+        # or the last event: [DONE] or the error event), so a client that retries at once
+        # finds the answer stored or the key free, never a 409 for a request that is over.
         request = execution.request
+        last: str | None = None
         try:
             try:
                 await execution.open_stream()
             except TandemError as exc:
-                tee.opened.set_exception(exc)
-                await self._settle_key(key, request, exc.status_code, exc.to_body())
+                try:
+                    await self._settle_key(key, request, exc.status_code, exc.to_body())
+                finally:
+                    tee.opened.set_exception(exc)
                 return
             tee.opened.set_result(None)
             async for payload in execution.events():
-                tee.put(payload)
-            tee.put(_END)
+                if last is not None:
+                    tee.put(last)
+                last = payload
             error = execution.stream_error
             if error is not None:
                 await self._settle_key(key, request, error.status_code, error.to_body())
@@ -165,10 +173,12 @@ class IdempotentRuns:
                     tee.opened.cancel()
                 else:
                     tee.opened.set_exception(exc)
-            tee.put(_END)
             await asyncio.shield(self._store.release(key.scope, key.token))
             raise
         finally:
+            if last is not None:
+                tee.put(last)
+            tee.put(_END)
             await execution.aclose()
 
     async def _settle_key(
@@ -176,13 +186,20 @@ class IdempotentRuns:
     ) -> None:
         """Store the answer if an engine saw the request; else free the key (WIRE.md §3:
         rejected before execution, nothing stored)."""
-        if request.path is None:
-            await self._store.release(key.scope, key.token)
-            return
-        stored = StoredResponse(status, orjson.dumps(body), time.time())
-        if not await self._store.complete(key.scope, key.token, stored, self._config.retention_s):
-            log.warning("request %s: its idempotency claim lapsed; answer not stored",
-                        request.request_id)  # fmt: skip
+        try:
+            if request.path is None:
+                await self._store.release(key.scope, key.token)
+                return
+            stored = StoredResponse(status, orjson.dumps(body), time.time())
+            retention_s = self._config.retention_s
+            if not await self._store.complete(key.scope, key.token, stored, retention_s):
+                log.warning("request %s: its idempotency claim lapsed; answer not stored",
+                            request.request_id)  # fmt: skip
+        except StoreUnavailableError as exc:
+            # The answer (or the error) still reaches the client: a 503 instead would send it
+            # into retries that find the key claimed until the lease runs out.
+            log.warning("request %s: answer not stored, the key frees when its claim lapses: %s",
+                        request.request_id, exc.message)  # fmt: skip
 
 
 class TeeSource:
@@ -219,8 +236,11 @@ def replay_response(
     stored: StoredResponse, endpoint: Endpoint, stream: bool, include_usage: bool
 ) -> Response:
     """The stored answer for a retry: as JSON, or re-chunked SSE when it asks for a stream
-    (an error is replayed with its status either way)."""
+    (an error is replayed with its status either way, with ``x-should-retry: false``: every
+    retry with this key gets the same error until it expires)."""
     headers = {REPLAYED_HEADER: "true"}
+    if stored.status_code != 200:
+        headers["x-should-retry"] = "false"
     if not stream or stored.status_code != 200:
         return Response(
             stored.body, status_code=stored.status_code, media_type="application/json",
