@@ -95,9 +95,7 @@ class StagePolicy:
     def from_dict(cls, data: Mapping[str, Any], where: str) -> StagePolicy:
         """``ValueError`` names the bad field (``where`` is its path, e.g. ``moderation.input``)."""
         providers = data.get("providers", [])
-        if not isinstance(providers, list) or not all(
-            isinstance(p, str) and p for p in providers
-        ):
+        if not isinstance(providers, list) or not all(isinstance(p, str) and p for p in providers):
             raise ValueError(f"{where}.providers must be a list of provider names")
         raw_actions = data.get("actions", {})
         if not isinstance(raw_actions, Mapping):
