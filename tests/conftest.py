@@ -15,3 +15,10 @@ def redis_url() -> Iterator[str]:
     """A real ``redis-server`` shared by the session; tests keep apart by key prefix."""
     with running_redis() as server:
         yield server.url
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the end-to-end tier last. Its vLLM workers boot once and live to the end of the
+    session, each keeping a core busy (NIXL's UCX progress thread spins even when idle, issue 4):
+    the load tests of the fast tiers must not share this 2-core machine with them."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)  # stable
