@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from core.errors import DeadlineExceededError, InvalidRequestError
-from core.request import Request
 
 TIMEOUT_HEADER = "x-tandem-timeout-ms"
 """Per-request deadline in milliseconds from arrival; at most the gateway's maximum."""
@@ -56,15 +55,15 @@ def deadline_error(where: str) -> DeadlineExceededError:
 
 
 @asynccontextmanager
-async def within_deadline(request: Request, where: str) -> AsyncIterator[None]:
-    """Bound the block by the request's deadline; past it, the block is cancelled (an engine
-    call in it is aborted) and ``DeadlineExceededError`` raised."""
-    remaining = request.remaining_s()
-    if remaining is None:
+async def within_deadline(deadline: float | None, where: str) -> AsyncIterator[None]:
+    """Bound the block by ``deadline`` (``time.monotonic()``; ``None``: unbounded); past it,
+    the block is cancelled (an engine call in it is aborted) and ``DeadlineExceededError``
+    raised. Never hold it across a ``yield``: the timeout would hit the consumer instead."""
+    if deadline is None:
         yield
         return
     try:
-        async with asyncio.timeout(max(remaining, 0.0)) as scope:
+        async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)) as scope:
             yield
     except TimeoutError as exc:
         if scope.expired():

@@ -14,18 +14,17 @@ advances: the request id at once, ``x-ratelimit-*`` when the quota is reserved,
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from admission.controller import Admission
-from core.errors import ClientDisconnectedError, TandemError
+from core.errors import TandemError
 from core.messages import Endpoint
 from core.request import Request
 from gateway.auth import Caller
-from gateway.gate import ClientGone, Gate
+from gateway.gate import ClientGone, Gate, unless_client_leaves
 from gateway.output_filter import CONTENT_FILTER, OutputFilter
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.relay import RelayHooks, RelayStream
@@ -78,12 +77,11 @@ class Execution:
                 self._endpoint, self._body, self.request, hooks
             )
 
-    async def events(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[str]:
         """The client's SSE payloads; ``open_stream()`` must have returned."""
         if self._relay is None:
             raise RuntimeError("Execution.events() before open_stream() completed")
-        async for payload in self._relay.events():
-            yield payload
+        return self._relay.events()
 
     @property
     def stream_error(self) -> TandemError | None:
@@ -100,7 +98,12 @@ class Execution:
                 if self._client_gone is None:
                     result = await serving
                 else:
-                    result = await _unless_gone(serving, self._client_gone)
+                    # Nobody reads the error if the client left; it is for logs and counters.
+                    result = await unless_client_leaves(
+                        serving,
+                        self._client_gone,
+                        "The client closed the connection before the answer.",
+                    )
                 if self._output_filter is not None:
                     await self._output_filter.filter_response(result)
                     if self._output_filter.blocked:
@@ -134,22 +137,3 @@ class Execution:
         except TandemError as exc:
             exc.extra_headers = {**self.headers, **exc.extra_headers}
             raise
-
-
-async def _unless_gone(
-    serving: Awaitable[dict[str, Any]], client_gone: ClientGone
-) -> dict[str, Any]:
-    """``serving``'s result, unless the client hangs up first: then it is cancelled."""
-    task: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(serving)
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            if not pending.done():
-                pending.cancel()
-        await asyncio.wait((task, watcher))
-    if task.cancelled():
-        # Nobody reads this answer; it is for the logs and the counters.
-        raise ClientDisconnectedError("The client closed the connection before the answer.")
-    return task.result()

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from admission.controller import Admission, AdmissionController, used_tokens
 from admission.tokens import (
@@ -25,16 +25,18 @@ from admission.tokens import (
 )
 from core.errors import (
     ClientDisconnectedError,
-    DeadlineExceededError,
     OverloadedError,
     TandemError,
 )
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
 from gateway.auth import Authenticator, Caller
+from gateway.deadlines import deadline_error
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tandem.admission")
+
+T = TypeVar("T")
 
 ClientGone = Callable[[], Awaitable[None]]
 """Returns once the client has hung up; never returns while it is connected."""
@@ -100,7 +102,12 @@ class Gate:
             if client_gone is None:
                 admission = await admitting
             else:
-                admission = await _unless_client_leaves(admitting, client_gone)
+                admission = await unless_client_leaves(
+                    admitting,
+                    client_gone,
+                    "The client closed the connection while queued.",
+                    discard=_settle_unused,
+                )
         except TandemError as exc:
             self._metrics.observe_rejection(exc.code)
             log.info(
@@ -126,10 +133,7 @@ class Gate:
         except OverloadedError as exc:
             remaining = request.remaining_s()
             if remaining is not None and remaining <= 0:
-                raise DeadlineExceededError(
-                    "The request's deadline passed while it waited for admission; send it "
-                    "with a longer x-tandem-timeout-ms, or retry when the load is lower."
-                ) from exc
+                raise deadline_error("while it waited for admission") from exc
             raise
 
     async def settle(self, admission: Admission, request: Request) -> None:
@@ -160,31 +164,43 @@ def cap_output_tokens(endpoint: Endpoint, body: dict[str, Any], plan_max: int | 
         body["max_tokens"] = plan_max
 
 
-async def _unless_client_leaves(
-    admitting: Awaitable[Admission], client_gone: ClientGone
-) -> Admission:
-    """``admitting``'s admission, unless the client hangs up first: then its queue entry and
-    reservation are given back (the controller does it when cancelled) before this raises."""
-    task = asyncio.ensure_future(admitting)
+async def unless_client_leaves(
+    work: Awaitable[T],
+    client_gone: ClientGone,
+    gone_message: str,
+    discard: Callable[[T], Awaitable[None]] | None = None,
+) -> T:
+    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
+    queue entry leaves, an engine call is aborted) and ``ClientDisconnectedError`` raised. A
+    result that arrives in the same instant goes to ``discard``, since nobody will use it."""
+    task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(client_gone())
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        await _abandon(task, watcher)  # this handler was cancelled
+        await _abandon(task, watcher, discard)  # this handler was cancelled
         raise
     if task.done():
         watcher.cancel()
         await asyncio.wait((watcher,))
         return task.result()
-    await _abandon(task, watcher)
-    raise ClientDisconnectedError("The client closed the connection while queued.")
+    await _abandon(task, watcher, discard)
+    raise ClientDisconnectedError(gone_message)
 
 
-async def _abandon(task: asyncio.Future[Admission], watcher: asyncio.Future[None]) -> None:
-    """End both (they are owned by ``_unless_client_leaves``); an admission granted in the
-    same instant is settled as unused, since nothing will run it."""
+async def _abandon(
+    task: asyncio.Future[T],
+    watcher: asyncio.Future[None],
+    discard: Callable[[T], Awaitable[None]] | None,
+) -> None:
+    """End both (they are owned by ``unless_client_leaves``)."""
     task.cancel()
     watcher.cancel()
     await asyncio.wait((task, watcher))
-    if not task.cancelled() and task.exception() is None:
-        await task.result().settle(0)
+    if discard is not None and not task.cancelled() and task.exception() is None:
+        await discard(task.result())
+
+
+async def _settle_unused(admission: Admission) -> None:
+    """An admission granted as its client left: nothing will run it."""
+    await admission.settle(0)

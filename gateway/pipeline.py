@@ -103,7 +103,7 @@ class ServingPipeline:
                 )
 
         with self._ended_on_error(request):
-            async with within_deadline(request, "before the answer was complete"):
+            async with within_deadline(request.deadline, "before the answer was complete"):
                 # A timed-out non-streaming answer is not retried: that would double the wait.
                 _, response = await self._decode_with_retry(
                     endpoint, body, request, call, retry_timeouts=False
@@ -143,7 +143,7 @@ class ServingPipeline:
                 return await self._engine.open_stream(worker, endpoint, leg, request.request_id)
 
         with self._ended_on_error(request):
-            async with within_deadline(request, "before the first token"):
+            async with within_deadline(request.deadline, "before the first token"):
                 # A first byte that never comes is a stalled KV transfer: re-run colocated.
                 decode_worker, upstream = await self._decode_with_retry(
                     endpoint, body, request, call, retry_timeouts=True

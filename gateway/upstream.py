@@ -9,7 +9,6 @@ error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from core.errors import (
     TandemError,
 )
 from core.messages import Endpoint
-from gateway.deadlines import deadline_error
+from gateway.deadlines import within_deadline
 from workers.registry import Worker
 
 _CONTEXT_LENGTH_MARKERS = ("maximum context length", "context length", "max_model_len")
@@ -75,21 +74,13 @@ class EngineStream:
         """
         if self._first is not None:
             yield self._first
-        if deadline is None:
-            async for payload in self._payloads:
-                yield payload
-            return
         while True:
-            # The timeout covers the read only, never the consumer's work between reads.
+            # The deadline bounds each read only, never the consumer's work between reads.
             try:
-                async with asyncio.timeout(deadline - time.monotonic()) as scope:
+                async with within_deadline(deadline, "while it was streaming"):
                     payload = await anext(self._payloads)
             except StopAsyncIteration:
                 return
-            except TimeoutError as exc:
-                if scope.expired():
-                    raise deadline_error("while it was streaming") from exc
-                raise
             yield payload
 
     async def _read(self) -> AsyncIterator[bytes]:
