@@ -42,6 +42,15 @@ def _body(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": QUESTION, "stream": True, **fields}
 
 
+async def _occupy_the_slot(stack: FakeStack, max_tokens: int) -> asyncio.Task[object]:
+    """A running request that holds the one slot; the caller awaits it."""
+    holder: asyncio.Task[object] = asyncio.create_task(
+        stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=max_tokens)
+    )
+    await wait_until(lambda: stack.decode.stats.num_running == 1)
+    return holder
+
+
 async def _raw_events(stack: FakeStack, body: dict[str, Any], **headers: str) -> list[str]:
     async with (
         httpx.AsyncClient(headers={**stack.auth_headers, **headers}, timeout=30) as http,
@@ -59,10 +68,7 @@ async def test_a_queued_stream_starts_with_heartbeats_and_then_streams(
 ) -> None:
     stack = one_slot
     stack.decode.token_delay_s = 0.1
-    holder = asyncio.create_task(
-        stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12)
-    )
-    await wait_until(lambda: stack.decode.stats.num_running == 1)
+    holder = await _occupy_the_slot(stack, max_tokens=12)
     events = await _raw_events(stack, _body(max_tokens=3, stream_options={"include_usage": True}))
     await holder
     # Queued for ~1 s, past the 0.2 s interval: the stream committed with a heartbeat first.
@@ -79,10 +85,7 @@ async def test_the_openai_client_reads_streams_with_heartbeats_and_usage(
 ) -> None:
     stack = one_slot
     stack.decode.token_delay_s = 0.3  # slower than the heartbeat: pings between tokens
-    holder = asyncio.create_task(
-        stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3)
-    )
-    await wait_until(lambda: stack.decode.stats.num_running == 1)
+    holder = await _occupy_the_slot(stack, max_tokens=3)
     stream = await stack.client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=3, stream=True,
         stream_options={"include_usage": True},
@@ -103,10 +106,7 @@ async def test_a_deadline_passing_in_the_queue_after_the_stream_started_is_one_e
 ) -> None:
     stack = one_slot
     stack.decode.token_delay_s = 0.1
-    holder = asyncio.create_task(
-        stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=15)
-    )
-    await wait_until(lambda: stack.decode.stats.num_running == 1)
+    holder = await _occupy_the_slot(stack, max_tokens=15)
     events = await _raw_events(stack, _body(max_tokens=3), **{"x-tandem-timeout-ms": "600"})
     await holder
     assert events[0] == ": ping"
@@ -116,10 +116,7 @@ async def test_a_deadline_passing_in_the_queue_after_the_stream_started_is_one_e
     assert len(stack.decode.stats.requests) == 1, "the expired request never ran"
 
     stack.decode.token_delay_s = 0.1
-    holder = asyncio.create_task(
-        stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=15)
-    )
-    await wait_until(lambda: stack.decode.stats.num_running == 1)
+    holder = await _occupy_the_slot(stack, max_tokens=15)
     stream = await stack.client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=3, stream=True,
         extra_headers={"x-tandem-timeout-ms": "600"},
