@@ -28,6 +28,7 @@ from admission.tenants import ApiKey, Tenant
 from core.errors import ConflictError, InvalidRequestError, NotFoundError, StoreUnavailableError
 from core.moderation import Action
 from gateway.auth import AdminAuth
+from moderation.moderator import Moderator
 
 T = TypeVar("T")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -80,23 +81,17 @@ class PlanFields(BaseModel):
     moderation: ModerationFields | None = None
     """Input/output moderation; null follows the gateway's default policy."""
 
-    def apply_to(self, plan: Plan, known_providers: frozenset[str]) -> Plan:
-        """``plan`` with the fields this body set; 400 if the policy names an unknown provider."""
+    def apply_to(self, plan: Plan, moderator: Moderator) -> Plan:
+        """``plan`` with the fields this body set; 400 if its moderation policy names an
+        unknown category or a provider this gateway does not have."""
         changed = self.model_fields_set & set(PlanFields.model_fields)
         values = plan_to_dict(plan) | self.model_dump(include=changed, mode="json")
         try:
-            updated = plan_from_dict(values)
-        except ValueError as exc:  # an unknown category: the codec names it
+            updated = plan_from_dict(values)  # the codec names an unknown category
+            if updated.moderation is not None:
+                moderator.check_policy(updated.moderation)  # ... and an unknown provider
+        except ValueError as exc:
             raise InvalidRequestError(str(exc), param="moderation") from exc
-        if updated.moderation is not None:
-            named = set(updated.moderation.input.providers + updated.moderation.output.providers)
-            unknown = sorted(named - known_providers)
-            if unknown:
-                raise InvalidRequestError(
-                    f"Unknown moderation provider(s) {', '.join(unknown)}; this gateway has: "
-                    f"{', '.join(sorted(known_providers))}.",
-                    param="moderation",
-                )
         return updated
 
 
@@ -128,13 +123,13 @@ def get_registry(http_request: HttpRequest) -> TenantRegistry:
     return registry
 
 
-def get_moderation_providers(http_request: HttpRequest) -> frozenset[str]:
-    """Names a tenant's moderation policy may use (the gateway's configured providers)."""
-    names: frozenset[str] = http_request.app.state.moderator.provider_names
-    return names
+def get_moderator(http_request: HttpRequest) -> Moderator:
+    """The gateway's moderation providers, which a tenant's policy may name."""
+    moderator: Moderator = http_request.app.state.moderator
+    return moderator
 
 
-ProvidersDep = Annotated[frozenset[str], Depends(get_moderation_providers)]
+ModeratorDep = Annotated[Moderator, Depends(get_moderator)]
 
 
 def get_controller(http_request: HttpRequest) -> AdmissionController:
@@ -148,10 +143,10 @@ router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(req
 
 @router.post("/tenants", status_code=201)
 async def create_tenant(
-    body: TenantCreate, registry: RegistryDep, providers: ProvidersDep
+    body: TenantCreate, registry: RegistryDep, moderator: ModeratorDep
 ) -> dict[str, Any]:
     """Create a tenant with a plan."""
-    plan = body.apply_to(Plan(), providers)
+    plan = body.apply_to(Plan(), moderator)
     try:
         tenant = await _store(registry.create_tenant(body.name, plan))
     except TenantExistsError as exc:
@@ -176,11 +171,11 @@ async def get_tenant(tenant: str, registry: RegistryDep) -> dict[str, Any]:
 
 @router.patch("/tenants/{tenant}")
 async def update_tenant(
-    tenant: str, body: PlanFields, registry: RegistryDep, providers: ProvidersDep
+    tenant: str, body: PlanFields, registry: RegistryDep, moderator: ModeratorDep
 ) -> dict[str, Any]:
     """Change quotas, weight, band or moderation; omitted fields keep their values."""
     current = await _resolve(registry, tenant)
-    plan = body.apply_to(current.plan, providers)
+    plan = body.apply_to(current.plan, moderator)
     try:
         updated = await _store(registry.update_tenant(current.tenant_id, plan))
     except UnknownTenantError as exc:
