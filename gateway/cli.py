@@ -1,4 +1,4 @@
-"""The ``tandem`` command.
+"""The gateway's commands of ``tandem`` (the whole command, ``bench`` included, is ``tandem.cli``).
 
 tandem up                 prepare the model, boot a prefill and a decode worker, serve the gateway
 tandem model prepare      convert the model into a vLLM-loadable folder (idempotent)
@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from rich.console import Console
@@ -32,8 +33,17 @@ console = Console(stderr=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tandem`` console script."""
-    args = _parser().parse_args(argv)
+    """The gateway's commands alone (``tandem.cli.main`` adds ``bench``)."""
+    parser = _parser()
+    code = run_command(parser.parse_args(argv))
+    if code is None:
+        parser.print_help()
+        return 2
+    return code
+
+
+def run_command(args: argparse.Namespace) -> int | None:
+    """Run a gateway command; None when ``args.command`` is not one of them."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -55,14 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelPreparationError as exc:
         console.print(f"[red]model preparation failed:[/] {exc}")
         return 1
-    _parser().print_help()
-    return 2
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command")
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_commands(parser.add_subparsers(dest="command"))
+    return parser
 
+
+def add_commands(commands: Any) -> None:
+    """Add ``up``, ``model``, ``admin`` and ``version`` to a ``tandem`` subparsers object."""
     up = commands.add_parser("up", help="run the whole stack: workers and gateway")
     up.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled SmolLM2)")
     up.add_argument("--served-model-name", help="model name clients send")
@@ -101,7 +114,6 @@ def _parser() -> argparse.ArgumentParser:
 
     add_admin_parser(commands)
     commands.add_parser("version", help="print the version")
-    return parser
 
 
 def _settings_from_args(args: argparse.Namespace) -> TandemSettings:

@@ -1,0 +1,1 @@
+"""tandem bench: a TTFT/ITL benchmark harness for OpenAI-compatible endpoints."""
