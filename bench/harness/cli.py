@@ -315,6 +315,7 @@ def _write_dataset(args: argparse.Namespace) -> int:
     write_vllm_custom_jsonl(prompts, args.out)
     console.print(
         f"{len(prompts)} prompts, {sum(p.tokens for p in prompts)} prompt tokens: {args.out} "
-        "(vllm bench serve --dataset-name custom --disable-shuffle --skip-chat-template)"
+        "(vllm bench serve --dataset-name custom --dataset-path FILE --disable-shuffle "
+        "--custom-output-len -1 --skip-chat-template)"
     )
     return 0

@@ -149,25 +149,12 @@ def comparison_table(
     return table
 
 
-def _load(path: Path) -> RunResult:
-    """The result in ``path``; a ValueError naming the file for anything that is not one."""
-    try:
-        return RunResult.load_json(path)
-    except ValueError as exc:
-        if str(path) in str(exc):
-            raise
-        raise ValueError(f"{path}: {exc}") from exc  # from_dict's errors do not name the file
-    except (KeyError, TypeError, AttributeError) as exc:
-        # JSON of the wrong shape (a list, a record without its fields) fails inside from_dict.
-        raise ValueError(f"{path}: not a tandem bench result ({exc!r})") from exc
-
-
 def compare_files(
     a_path: Path, b_path: Path, console: Console, plots_dir: Path | None = None
 ) -> int:
     """Print how B differs from A (and plot their CDFs into ``plots_dir``); the exit code."""
     try:
-        a, b = _load(a_path), _load(b_path)
+        a, b = RunResult.load_json(a_path), RunResult.load_json(b_path)
     except ValueError as exc:
         console.print(f"tandem bench compare: {exc}", style="red", markup=False)
         return 2

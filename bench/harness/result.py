@@ -88,7 +88,14 @@ class RunResult:
             raw = orjson.loads(path.read_bytes())
         except (OSError, orjson.JSONDecodeError) as exc:
             raise ValueError(f"cannot read {path}: {exc}") from exc
-        return cls.from_dict(raw)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} is not a tandem bench result (not a JSON object)")
+        try:
+            return cls.from_dict(raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path} is not a complete tandem bench result: {exc!r}") from exc
 
     def save_csv(self, path: Path) -> None:
         with path.open("w", newline="") as out:

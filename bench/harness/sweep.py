@@ -84,8 +84,3 @@ async def sweep(
         label=config.label,
         sweep=[p.to_dict() for p in sorted(points, key=lambda p: p.rate)],
     )
-
-
-def highest_passing_rate(result: RunResult) -> float | None:
-    rates = [p["rate"] for p in result.sweep if p["meets_slos"]]
-    return max(rates) if rates else None

@@ -55,6 +55,13 @@ SCRIPTS: dict[str, list[bytes]] = {
         DONE,
     ],
     "data-after-done": [*GOOD, token("late")],
+    "ten-tokens": [
+        ROLE,
+        *(token(f" w{i}") for i in range(9)),
+        token(" end", "stop"),
+        usage(10),
+        DONE,
+    ],
 }
 
 
@@ -193,8 +200,17 @@ async def test_usage_far_from_the_streamed_text_is_malformed(scripted: str) -> N
     async with aiohttp.ClientSession() as session:
         honest = await send(session, target, planned(), new_record(), 0.0, lambda t: len(t.split()))
         lying = await send(session, target, planned(), new_record(), 0.0, lambda t: 40)
+        ten = Target(base_url=f"{scripted}/ten-tokens", model="m")
+        inflated = await send(session, ten, planned(), new_record(), 0.0, lambda t: 0)
+        eos_target = Target(base_url=f"{scripted}/ten-tokens", model="m", ignore_eos=True)
+        invisible = await send(session, eos_target, planned(), new_record(), 0.0, lambda t: 0)
     assert honest.ok
     assert lying.error_type == "malformed" and "the streamed text is 40" in (lying.error or "")
+    assert inflated.error_type == "malformed" and "the streamed text is only 0" in (
+        inflated.error or ""
+    )
+    # With ignore_eos the model may stream any number of special tokens that have no text.
+    assert invisible.ok
 
 
 @pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
