@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if prepared is None:
             parser.error("no prepared model: run `tandem model prepare` or pass --tokenizer-dir")
         args.tokenizer_dir = prepared.path
-    console = Console()
+    console = Console(width=max(Console().width, 170))  # the table has a column per run
     tokenizer = load_tokenizer(args.tokenizer_dir)
     config = tandem_config(args)
     work = Path(tempfile.mkdtemp(prefix="tandem-vs-vllm-"))

@@ -1,7 +1,7 @@
 """Figures of a run from its records: latency distributions, throughput, goodput, errors.
 
-Warm-up records are excluded. Throughput divides by the measured duration: the first measured
-send to the last measured answer. Goodput counts completed requests meeting every SLO given:
+Warm-up records are excluded. Throughput divides by the measured duration: from the start of
+the measured phase's schedule to its last answer (as vLLM's ``bench serve`` does). Goodput counts completed requests meeting every SLO given:
 
 - ``ttft``: the request's TTFT (vLLM's, first chunk);
 - ``tpot``: its TPOT (vLLM's; 0 under two tokens, as in vLLM);
@@ -148,12 +148,12 @@ def measured(records: Iterable[RequestRecord]) -> list[RequestRecord]:
 
 
 def duration_of(records: Sequence[RequestRecord]) -> float:
-    """First send to last answer of the measured requests (seconds)."""
+    """The run's start (offset 0, when the schedule starts) to its last answer, in seconds.
+
+    vLLM's benchmark duration: an open loop's wait for its first arrival counts too."""
     if not records:
         return 0.0
-    start = min(r.sent_s for r in records)
-    end = max(r.sent_s + r.elapsed_s for r in records)
-    return max(end - start, 1e-9)
+    return max(max(r.sent_s + r.elapsed_s for r in records), 1e-9)
 
 
 def summarize(
