@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 import bench.harness.dataset as dataset
 from bench.harness.dataset import (
@@ -29,29 +28,13 @@ from bench.harness.dataset import (
     synthetic_prompts,
     write_vllm_custom_jsonl,
 )
+from tests.bench.tokenizer import SHIPPED, trained_tokenizer
 from workers.model import find_prepared
 
 SPECS = ["fixed:128", "uniform:64:256", "normal:128:32", "lognormal:128:0.5"]
-SHIPPED = [
-    json.loads(line)["prompt"]
-    for line in resources.files("bench.harness")
-    .joinpath("data/chat_prompts.jsonl")
-    .read_text(encoding="utf-8")
-    .splitlines()
-]
 # The bundled tokenizer joins in only where the model is prepared: a test id that exists or
 # not, never a skip.
 TOKENIZERS = ["trained"] + (["bundled"] if find_prepared() is not None else [])
-
-
-def trained_tokenizer() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=alphabet, show_progress=False)
-    tokenizer.train_from_iterator(SHIPPED, trainer)
-    return tokenizer
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS)
