@@ -1,0 +1,5 @@
+import sys
+
+from bench.overhead.cli import main
+
+sys.exit(main())

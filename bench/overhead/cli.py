@@ -1,0 +1,221 @@
+"""``python -m bench.overhead``: what the gateway adds, isolated with a fast fake engine.
+
+    python -m bench.overhead                                  # 1, 64, 512 streams; ~6 minutes
+    python -m bench.overhead --profile gateway.svg --out-json overhead.json
+    python -m bench.overhead --real-gateway http://127.0.0.1:8000 \\
+        --real-engine http://127.0.0.1:8200 --api-key tdm-... --pid 1234 --concurrency 1,4
+
+The same closed-loop load (N concurrent chat streams, ``--tokens`` tokens each) goes directly to
+the fake decode engine, through Tandem (two legs, and colocated), and through LiteLLM's proxy
+when it is installed (``--litellm``, default ``.venv-litellm/bin/litellm``). Reported per target
+and level: TTFT/ITL p50/p99 and what the server adds over direct, the server's CPU per request
+and per streamed chunk, requests/s and errors; then Tandem/LiteLLM ratios, the split of CPU into
+a fixed part per request and a part per chunk next to shared/PERF_NOTES.md's anchors, and (with
+``--profile``) where the gateway's time goes. See ``runs``, ``measure`` and ``servers`` for the
+definitions and the configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.overhead import report
+from bench.overhead.fake_vllm import Timing
+from bench.overhead.load import LoadSpec
+from bench.overhead.runs import (
+    ENGINE_CORE,
+    SERVER_CORE,
+    FakeRunConfig,
+    RunOutput,
+    run_fake,
+    run_real,
+)
+
+TARGETS = ("direct", "tandem-2leg", "tandem-colocated", "litellm")
+DEFAULT_LITELLM = Path(".venv-litellm/bin/litellm")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(level < 1 for level in levels):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,64,512, not {text!r}")
+    return levels
+
+
+def _targets(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"targets are among {', '.join(TARGETS)}, not {unknown}")
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.overhead",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--concurrency", type=_levels, help="levels (default 1,64,512; real: 1,4)")
+    p.add_argument("--targets", type=_targets, default=list(TARGETS), help=",".join(TARGETS))
+    p.add_argument("--duration-s", type=float, default=15.0, help="measured phase per level")
+    p.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--itl-ms", type=float, default=20.0, help="fake engine: gap between tokens")
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="fake engine: first token")
+    p.add_argument("--kv-ttft-ms", type=float, default=0.0, help="fake: decode leg's first token")
+    p.add_argument("--prompt-words", type=int, help="prompt length (default 100; real: 300)")
+    p.add_argument("--max-requests", type=int, default=20_000, help="cap per measured phase")
+    p.add_argument("--no-auth", action="store_true", help="Tandem without keys and quotas")
+    p.add_argument("--litellm", type=Path, help=f"litellm binary (default {DEFAULT_LITELLM})")
+    p.add_argument("--profile", type=Path, help="py-spy profile: .svg, .json (speedscope), .txt")
+    p.add_argument("--profile-concurrency", type=int, default=64)
+    p.add_argument("--fit-concurrency", type=int, default=64, help="0: no 1-token runs")
+    p.add_argument("--no-fake-check", action="store_true", help="skip the fake-alone check")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    p.add_argument("--keep-work-dir", action="store_true", help="keep server logs and state")
+    p.add_argument("--out-json", type=Path, help="write every figure here")
+    real = p.add_argument_group("real stack (part b): measure servers someone else runs")
+    real.add_argument("--real-gateway", help="the gateway's URL")
+    real.add_argument("--real-engine", help="the decode worker's URL (direct)")
+    real.add_argument("--api-key", help="a tenant key for the gateway")
+    real.add_argument("--pid", type=int, help="the gateway's pid (for its CPU)")
+    real.add_argument("--model", help="model name (default: the engine's first)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    console = Console(width=200)
+    real = args.real_gateway or args.real_engine
+    if real and not (args.real_gateway and args.real_engine):
+        console.print("[red]--real-gateway and --real-engine go together[/]")
+        return 2
+    spec = LoadSpec(
+        prompt_words=args.prompt_words or (300 if real else 100),
+        num_tokens=args.tokens,
+        duration_s=args.duration_s,
+        max_requests=args.max_requests,
+    )
+    levels = args.concurrency or ([1, 4] if real else [1, 64, 512])
+    import uvloop  # the load generator's loop: the cheapest per event
+
+    started = time.time()
+    if real:
+        output = uvloop.run(
+            run_real(
+                args.real_gateway, args.real_engine, args.api_key, args.pid, args.model,
+                levels, spec, console,
+            )
+        )  # fmt: skip
+        config: dict[str, Any] = {"mode": "real", "gateway": args.real_gateway}
+    else:
+        run_config = _fake_config(args, levels, spec, console)
+        output = uvloop.run(run_fake(run_config, console))
+        config = {
+            "mode": "fake",
+            "timing": {
+                "tokens": args.tokens, "itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms,
+                "kv_ttft_ms": args.kv_ttft_ms,
+            },
+            "targets": list(run_config.targets),
+            "auth": run_config.auth,
+            "litellm": _litellm_version(run_config.litellm),
+        }  # fmt: skip
+    config.update(levels=levels, prompt_words=spec.prompt_words, duration_s=spec.duration_s)
+    _print(console, output, spec)
+    if args.out_json:
+        report.write_json(args.out_json, _payload(config, output, time.time() - started))
+        console.print(f"figures written to {args.out_json}")
+    return 0
+
+
+def _fake_config(
+    args: argparse.Namespace, levels: list[int], spec: LoadSpec, console: Console
+) -> FakeRunConfig:
+    litellm = args.litellm or (DEFAULT_LITELLM if DEFAULT_LITELLM.exists() else None)
+    if "litellm" in args.targets and litellm is None:
+        console.print(
+            f"LiteLLM skipped: no {DEFAULT_LITELLM} (python3 -m venv .venv-litellm && "
+            ".venv-litellm/bin/pip install 'litellm[proxy]', or pass --litellm PATH)"
+        )
+    py_spy = Path(sys.executable).parent / "py-spy"
+    return FakeRunConfig(
+        levels=levels,
+        spec=spec,
+        timing=Timing(
+            num_tokens=args.tokens,
+            itl_s=args.itl_ms / 1000,
+            ttft_s=args.ttft_ms / 1000,
+            kv_ttft_s=args.kv_ttft_ms / 1000,
+        ),
+        targets=[t for t in args.targets if t != "litellm" or litellm is not None],
+        auth=not args.no_auth,
+        litellm=litellm,
+        profile=args.profile.resolve() if args.profile else None,
+        profile_concurrency=args.profile_concurrency,
+        fit_concurrency=args.fit_concurrency or None,
+        fake_check=not args.no_fake_check,
+        pin=not args.no_pin,
+        py_spy=py_spy,
+        keep_work_dir=args.keep_work_dir,
+    )
+
+
+def _litellm_version(binary: Path | None) -> str | None:
+    if binary is None:
+        return None
+    python = binary.parent / "python"
+    code = "import importlib.metadata as m; print(m.version('litellm'))"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
+
+
+def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
+    for note in output.notes:
+        console.print(note)
+    for name, paths in output.paths.items():
+        console.print(f"serving paths counted by {name}'s /metrics (path/reason/outcome): {paths}")
+    tables = [
+        report.latency_table(output.results),
+        report.cpu_table(output.results, str(SERVER_CORE), str(ENGINE_CORE)),
+        report.versus_table(output.results, "tandem-2leg", "litellm"),
+    ]
+    if output.extra:
+        tables.append(report.cpu_table(output.extra, str(SERVER_CORE), str(ENGINE_CORE)))
+    if output.fits:
+        chunks = next((r.chunks_per_request for r in output.results if r.target != "direct"), 34)
+        how = "fit from 1-token and full-length runs at the same concurrency"
+        tables.append(report.cost_table(output.fits, chunks, how))
+    report.print_all(console, tables)
+    if output.engine_stats:
+        console.print(f"fake engines served: {output.engine_stats}")
+    if output.profile is not None:
+        report.print_all(console, report.profile_tables(output.profile, "gateway profile"))
+
+
+def _payload(config: dict[str, Any], output: RunOutput, elapsed_s: float) -> dict[str, Any]:
+    return {
+        "config": config,
+        "elapsed_s": elapsed_s,
+        "notes": output.notes,
+        "results": [r.to_dict() for r in output.results],
+        "extra": [r.to_dict() for r in output.extra],
+        "fits": {
+            name: {"ms_per_request": c.ms_per_request, "ms_per_chunk": c.ms_per_chunk}
+            for name, c in output.fits.items()
+        },
+        "paths": output.paths,
+        "engine_stats": output.engine_stats,
+        "profile": output.profile.to_dict() if output.profile else None,
+    }

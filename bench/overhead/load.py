@@ -1,0 +1,141 @@
+"""One level of closed-loop load against one target, through the benchmark harness.
+
+A level is a warm-up (``max(concurrency, 5)`` requests by default, its figures discarded) and a
+measured phase whose size comes from the warm-up's throughput, so each level runs about
+``duration_s`` whatever the target's speed. CPU readings bracket the measured phase only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from bench.harness.dataset import Prompt
+from bench.harness.runner import execute
+from bench.harness.summary import Slos, summarize
+from bench.harness.workload import PlannedRequest, Target, TenantSpec
+from bench.overhead.measure import CpuWindow, LevelResult, core_busy, count_chunks
+
+CpuReader = Callable[[], float]
+
+_FILLER_TEXT = (
+    "the quick brown fox jumps over the lazy dog while a gateway relays every token it hears "
+    "from the engine to the client without delay"
+)
+_FILLER = _FILLER_TEXT.split(" ")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What every request of a level looks like and how long the level runs."""
+
+    prompt_words: int = 100
+    num_tokens: int = 32
+    """``max_tokens`` per request (the fake streams exactly that many tokens)."""
+    duration_s: float = 15.0
+    """Target length of the measured phase."""
+    min_requests: int = 10
+    max_requests: int = 20_000
+    warmup_requests: int | None = None
+    """None: ``max(concurrency, 5)``."""
+
+
+def prompt_text(index: int, num_words: int) -> str:
+    """A prompt of ``num_words`` words, distinct per request from its first word on."""
+    words = [f"request-{index}"]
+    words += [_FILLER[k % len(_FILLER)] for k in range(max(0, num_words - 1))]
+    return " ".join(words)
+
+
+def plan(
+    num_requests: int, spec: LoadSpec, tenant: TenantSpec, *, warmup: bool, first_index: int = 0
+) -> list[PlannedRequest]:
+    """Closed-loop requests (no schedule): each is sent when a concurrency slot frees."""
+    return [
+        PlannedRequest(
+            index=i,
+            tenant=tenant,
+            prompt=Prompt(
+                text=prompt_text(i, spec.prompt_words),
+                tokens=spec.prompt_words,
+                output_tokens=spec.num_tokens,
+            ),
+            warmup=warmup,
+            scheduled_s=None,
+        )
+        for i in range(first_index, first_index + num_requests)
+    ]
+
+
+def size_of_measured_phase(
+    warmup_count: int, warmup_wall_s: float, concurrency: int, spec: LoadSpec
+) -> int:
+    """Requests for about ``spec.duration_s`` at the warm-up's rate, at least two full rounds
+    of the concurrency (so a closed loop reaches its steady state)."""
+    rate = warmup_count / warmup_wall_s if warmup_wall_s > 0 else 0.0
+    wanted = round(rate * spec.duration_s)
+    floor = max(spec.min_requests, 2 * concurrency)
+    return max(floor, min(wanted, spec.max_requests))
+
+
+def _core_times() -> list[tuple[float, float]]:
+    readings = []
+    for times in psutil.cpu_times(percpu=True):
+        idle = times.idle + getattr(times, "iowait", 0.0)
+        total = sum(times)
+        readings.append((total - idle, total))
+    return readings
+
+
+async def run_level(
+    name: str,
+    target: Target,
+    tenant: TenantSpec,
+    concurrency: int,
+    spec: LoadSpec,
+    server_cpu: CpuReader | None,
+    engine_cpu: CpuReader | None,
+    idle_cpu_ms_per_s: float | None = None,
+) -> LevelResult:
+    """Warm up, then measure ``concurrency`` streams against ``target``."""
+    num_warmup = spec.warmup_requests or max(concurrency, 5)
+    started = time.perf_counter()
+    await execute(target, plan(num_warmup, spec, tenant, warmup=True), max_concurrency=concurrency)
+    warmup_wall = time.perf_counter() - started
+    num_measured = size_of_measured_phase(num_warmup, warmup_wall, concurrency, spec)
+    requests = plan(num_measured, spec, tenant, warmup=False, first_index=num_warmup)
+    cores0, wall0 = _core_times(), time.perf_counter()
+    server0 = server_cpu() if server_cpu else None
+    engine0 = engine_cpu() if engine_cpu else None
+    records = await execute(target, requests, max_concurrency=concurrency)
+    server1 = server_cpu() if server_cpu else None
+    engine1 = engine_cpu() if engine_cpu else None
+    wall = time.perf_counter() - wall0
+    cpu = CpuWindow(
+        server_s=None if server0 is None or server1 is None else server1 - server0,
+        engine_s=None if engine0 is None or engine1 is None else engine1 - engine0,
+        wall_s=wall,
+        core_busy=core_busy(cores0, _core_times()),
+    )
+    return LevelResult(
+        target=name,
+        concurrency=concurrency,
+        num_tokens=spec.num_tokens,
+        summary=summarize(records, Slos()),
+        num_chunks=count_chunks(records),
+        cpu=cpu,
+        idle_cpu_ms_per_s=idle_cpu_ms_per_s,
+        num_warmup=num_warmup,
+        warmup_wall_s=warmup_wall,
+    )
+
+
+async def idle_cpu_rate(server_cpu: CpuReader, seconds: float) -> float:
+    """The server's CPU ms per second while nothing is sent to it."""
+    before, started = server_cpu(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (server_cpu() - before) * 1000 / (time.perf_counter() - started)

@@ -1,0 +1,183 @@
+"""Tables of an overhead run (rich) and its JSON file."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from bench.overhead.measure import (
+    ANCHORS,
+    Cost,
+    LevelResult,
+    added_latency,
+    find,
+    ratio,
+)
+from bench.overhead.profile import Profile
+
+DIRECT = "direct"
+
+
+def _f(value: float | None, digits: int = 2, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def latency_table(results: Sequence[LevelResult]) -> Table:
+    table = Table(title="Latency (ms) and throughput; + = added over direct at the same level")
+    for name in ("target", "conc", "sent", "errors", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
+                 "ITL p99", "+TTFT p50", "+TTFT p99", "+ITL p50", "+ITL p99"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "target" else "right")
+    for r in results:
+        s, m = r.summary, r.summary.metrics
+        ttft, itl = m.get("ttft"), m.get("itl")
+        direct = find(results, DIRECT, r.concurrency)
+        added = added_latency(s, direct.summary) if direct and r.target != DIRECT else None
+        table.add_row(
+            r.target,
+            str(r.concurrency),
+            str(s.sent),
+            str(s.failed) + (f" {s.errors_by_type}" if s.failed else ""),
+            _f(s.request_throughput, 1),
+            _f(ttft.p50 if ttft else None),
+            _f(ttft.p99 if ttft else None),
+            _f(itl.p50 if itl else None),
+            _f(itl.p99 if itl else None),
+            _f(added.ttft_p50, signed=True) if added else "",
+            _f(added.ttft_p99, signed=True) if added else "",
+            _f(added.itl_p50, signed=True) if added else "",
+            _f(added.itl_p99, signed=True) if added else "",
+        )
+    return table
+
+
+def cpu_table(results: Sequence[LevelResult], server_core: str, engine_core: str) -> Table:
+    table = Table(
+        title=f"CPU of the server under test (core {server_core}) in the measured phase "
+        f"(ms/request, ms/chunk: net of its idle rate); engines + load generator on core "
+        f"{engine_core}"
+    )
+    for name in ("target", "conc", "server CPU s", "wall s", "server cores", "idle ms/s",
+                 "gross ms/req", "ms/request", "ms/chunk", "chunks/req", "engine ms/req",
+                 "core busy"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "target" else "right")
+    for r in results:
+        busy = " ".join(f"{core}:{_pct(share)}" for core, share in r.cpu.core_busy.items())
+        table.add_row(
+            r.target,
+            str(r.concurrency),
+            _f(r.cpu.server_s),
+            _f(r.cpu.wall_s, 1),
+            _f(r.server_core_share),
+            _f(r.idle_cpu_ms_per_s, 1),
+            _f(r.gross_cpu_ms_per_request, 3),
+            _f(r.cpu_ms_per_request, 3),
+            _f(r.cpu_ms_per_chunk, 4),
+            _f(r.chunks_per_request, 1),
+            _f(ratio(r.cpu.engine_s and r.cpu.engine_s * 1000, r.summary.sent), 3),
+            busy,
+        )
+    return table
+
+
+def versus_table(results: Sequence[LevelResult], tandem: str, other: str) -> Table | None:
+    """Tandem and LiteLLM side by side at each concurrency both ran."""
+    levels = sorted(
+        {r.concurrency for r in results if r.target == other}
+        & {r.concurrency for r in results if r.target == tandem}
+    )
+    if not levels:
+        return None
+    table = Table(title=f"{tandem} vs {other} (same fake engine, same load, same pinning)")
+    for name in ("conc", "CPU ms/req T", "L", "L/T", "req/s T", "L", "T/L", "+TTFT p50 T", "L",
+                 "+TTFT p99 T", "L", "+ITL p99 T", "L"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for level in levels:
+        t, o = find(results, tandem, level), find(results, other, level)
+        d = find(results, DIRECT, level)
+        if t is None or o is None:
+            continue
+        at = added_latency(t.summary, d.summary) if d else None
+        ao = added_latency(o.summary, d.summary) if d else None
+        table.add_row(
+            str(level),
+            _f(t.cpu_ms_per_request, 3),
+            _f(o.cpu_ms_per_request, 3),
+            _f(ratio(o.cpu_ms_per_request, t.cpu_ms_per_request), 1) + "x",
+            _f(t.summary.request_throughput, 1),
+            _f(o.summary.request_throughput, 1),
+            _f(ratio(t.summary.request_throughput, o.summary.request_throughput), 1) + "x",
+            _f(at.ttft_p50 if at else None, signed=True),
+            _f(ao.ttft_p50 if ao else None, signed=True),
+            _f(at.ttft_p99 if at else None, signed=True),
+            _f(ao.ttft_p99 if ao else None, signed=True),
+            _f(at.itl_p99 if at else None, signed=True),
+            _f(ao.itl_p99 if ao else None, signed=True),
+        )
+    return table
+
+
+def cost_table(fits: Mapping[str, Cost], chunks_per_request: float, how: str) -> Table:
+    table = Table(title=f"CPU per request + per chunk ({how}) next to PERF_NOTES' anchors")
+    for name in ("source", "ms/request", "ms/chunk", f"ms per {chunks_per_request:.0f}-chunk req"):
+        table.add_column(name, justify="left" if name == "source" else "right")
+    for source, cost in [*fits.items(), *ANCHORS.items()]:
+        table.add_row(
+            source,
+            _f(cost.ms_per_request, 3),
+            _f(cost.ms_per_chunk, 4),
+            _f(cost.at(chunks_per_request), 2),
+        )
+    return table
+
+
+def profile_tables(profile: Profile, title: str, n: int = 20) -> list[Table]:
+    tables = []
+    for label, counts, rows in (
+        ("self time by package", profile.self_by_package, 15),
+        ("self time by function", profile.self_by_function, n),
+        ("inclusive time, Tandem's own functions", _ours(profile), n),
+    ):
+        table = Table(title=f"{title}: {label} ({profile.num_samples} samples)")
+        table.add_column("share", justify="right")
+        table.add_column("samples", justify="right")
+        table.add_column(label.split(" by ")[-1] if " by " in label else "function")
+        for name, count, share in profile.top(counts, rows):
+            table.add_row(_pct(share) if share >= 0.01 else f"{100 * share:.1f}%", str(count), name)
+        tables.append(table)
+    return tables
+
+
+_OURS = ("gateway/", "admission/", "core/", "kv_transfer/", "moderation/", "workers/")
+
+
+def _ours(profile: Profile) -> Counter[str]:
+    return Counter(
+        {
+            name: count
+            for name, count in profile.total_by_function.items()
+            if any(f"({prefix}" in name for prefix in _OURS)
+        }
+    )
+
+
+def print_all(console: Console, tables: Sequence[Table | None]) -> None:
+    for table in tables:
+        if table is not None:
+            console.print(table)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))

@@ -1,0 +1,279 @@
+"""The two kinds of overhead run: against fast fake engines (the servers started here, pinned),
+and against a real stack someone else runs.
+
+Fake run, per target in turn (``direct``, ``tandem-2leg``, ``tandem-colocated``, ``litellm``):
+start its server on the server core, run every concurrency level, then, for servers, a
+1-token level (the fixed cost per request, for the per-chunk split), the profiled level (first
+Tandem target only) and the check of which serving path the gateway counted; stop the server.
+The load generator and the fake engines share the other core, as in shared/PERF_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from bench.harness.workload import Api, Target, TenantSpec
+from bench.overhead.fake_vllm import Timing
+from bench.overhead.load import LoadSpec, idle_cpu_rate, run_level
+from bench.overhead.measure import Cost, LevelResult, fit_cost
+from bench.overhead.procs import (
+    Server,
+    process_tree_cpu_seconds,
+    start_fake_engine,
+    usable_cores,
+)
+from bench.overhead.profile import Profile, PySpy
+from bench.overhead.servers import (
+    LITELLM_MASTER_KEY,
+    TandemSetup,
+    gateway_paths,
+    start_litellm,
+    start_tandem,
+)
+
+MODEL = "fake-model"
+SERVER_CORE, ENGINE_CORE = 1, 0
+
+
+@dataclass(slots=True)
+class FakeRunConfig:
+    levels: Sequence[int]
+    spec: LoadSpec
+    timing: Timing
+    targets: Sequence[str]
+    auth: bool = True
+    litellm: Path | None = None
+    profile: Path | None = None
+    profile_concurrency: int = 64
+    fit_concurrency: int | None = 64
+    fake_check: bool = True
+    pin: bool = True
+    py_spy: Path = Path(".venv/bin/py-spy")
+    keep_work_dir: bool = False
+    idle_s: float = 5.0
+    """How long each server's idle CPU rate is measured before its load."""
+
+
+@dataclass(slots=True)
+class RunOutput:
+    results: list[LevelResult] = field(default_factory=list)
+    extra: list[LevelResult] = field(default_factory=list)
+    """Levels that are not part of the comparison: 1-token fits, the profiled run, the check."""
+    fits: dict[str, Cost] = field(default_factory=dict)
+    paths: dict[str, dict[str, float]] = field(default_factory=dict)
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+    profile: Profile | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _say(console: Console, result: LevelResult, label: str = "") -> None:
+    s, ttft, itl = result.summary, result.summary.metrics["ttft"], result.summary.metrics["itl"]
+    cpu = result.cpu_ms_per_request
+    console.print(
+        f"  {result.target}{label} c={result.concurrency}: {s.sent} req, {s.failed} failed, "
+        f"{s.request_throughput:.1f} req/s, TTFT p50 {ttft.p50 if ttft else float('nan'):.2f} ms, "
+        f"ITL p99 {itl.p99 if itl else float('nan'):.2f} ms"
+        + (f", server CPU {cpu:.3f} ms/req" if cpu is not None else "")
+    )
+
+
+async def run_fake(config: FakeRunConfig, console: Console) -> RunOutput:
+    """Start the fakes, measure every target, stop everything (also on errors)."""
+    out = RunOutput()
+    server_cores = usable_cores({SERVER_CORE}) if config.pin else None
+    engine_cores = usable_cores({ENGINE_CORE}) if config.pin else None
+    if engine_cores is not None:
+        os.sched_setaffinity(0, engine_cores)  # this process is the load generator
+    out.notes.append(
+        f"pinning: server under test on core {SERVER_CORE}, load generator + fake engines on "
+        f"core {ENGINE_CORE}"
+        if server_cores and engine_cores
+        else "pinning: none (--no-pin, or the cores are not there)"
+    )
+    work_dir = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))
+    engines: list[Server] = []
+    try:
+        for role in ("prefill", "decode"):
+            engines.append(
+                start_fake_engine(f"fake-{role}", config.timing, MODEL, work_dir, engine_cores)
+            )
+        prefill, decode = engines
+
+        def engine_cpu() -> float:
+            return sum(engine.cpu_seconds() for engine in engines)
+
+        for name in config.targets:
+            await _run_target(
+                name, config, out, console, prefill, decode, work_dir, server_cores, engine_cpu
+            )
+        if config.fake_check and engine_cores and server_cores:
+            await _fake_check(config, out, console, decode, engine_cpu, server_cores)
+        async with httpx.AsyncClient(timeout=5) as client:
+            for engine in engines:
+                stats = (await client.get(engine.url + "/_fake/stats")).json()
+                stats.pop("last_bodies", None)
+                out.engine_stats[engine.name] = stats
+    finally:
+        for engine in engines:
+            engine.stop()
+        if config.keep_work_dir:
+            console.print(f"logs and state kept in {work_dir}")
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return out
+
+
+async def _run_target(
+    name: str,
+    config: FakeRunConfig,
+    out: RunOutput,
+    console: Console,
+    prefill: Server,
+    decode: Server,
+    work_dir: Path,
+    cores: frozenset[int] | None,
+    engine_cpu: Callable[[], float],
+) -> None:
+    server: Server | None = None
+    api_key: str | None = None
+    if name.startswith("tandem-"):
+        setup = TandemSetup(
+            two_legs=name == "tandem-2leg",
+            auth=config.auth,
+            max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
+        )
+        server, api_key = start_tandem(setup, prefill.url, decode.url, MODEL, work_dir, cores)
+    elif name == "litellm":
+        if config.litellm is None:
+            return
+        server, api_key = (
+            start_litellm(config.litellm, decode.url, MODEL, work_dir, cores),
+            (LITELLM_MASTER_KEY),
+        )
+    elif name != "direct":
+        raise ValueError(f"unknown target {name!r}")
+    console.print(f"[bold]{name}[/]" + (f" (pid {server.pid}, {server.url})" if server else ""))
+    target = Target(base_url=(server or decode).url, model=MODEL, api=Api.CHAT)
+    tenant = TenantSpec(name="bench", api_key=api_key)
+    server_cpu = server.cpu_seconds if server else None
+    try:
+        idle = await idle_cpu_rate(server.cpu_seconds, config.idle_s) if server else None
+        if idle is not None:
+            console.print(f"  idle CPU: {idle:.1f} ms/s (subtracted from the per-request figures)")
+
+        async def level_run(concurrency: int, spec: LoadSpec) -> LevelResult:
+            return await run_level(
+                name, target, tenant, concurrency, spec, server_cpu, engine_cpu, idle
+            )
+
+        for level in config.levels:
+            result = await level_run(level, config.spec)
+            out.results.append(result)
+            _say(console, result)
+        if server is None:
+            return
+        if config.fit_concurrency:
+            short = dataclasses.replace(config.spec, num_tokens=1)
+            one = await level_run(config.fit_concurrency, short)
+            out.extra.append(dataclasses.replace(one, target=f"{name} (1 token)"))
+            _say(console, one, " (1 token)")
+            full = next(
+                (r for r in out.results if r.target == name and r.concurrency == one.concurrency),
+                None,
+            )
+            if full is None:
+                full = await level_run(one.concurrency, config.spec)
+            fit = fit_cost(one, full)
+            if fit is not None:
+                out.fits[name] = fit
+        if config.profile is not None and out.profile is None and name.startswith("tandem-"):
+            with PySpy(
+                config.py_spy, server.pid, config.profile, usable_cores({ENGINE_CORE})
+            ) as spy:
+                profiled = await level_run(config.profile_concurrency, config.spec)
+            out.extra.append(dataclasses.replace(profiled, target=f"{name} (profiled)"))
+            _say(console, profiled, " (profiled)")
+            out.profile = spy.read(str(Path.cwd()) + "/")
+            console.print(f"  profile written to {config.profile} (py-spy log: {spy.log})")
+        if name.startswith("tandem-"):
+            out.paths[name] = gateway_paths(server.url)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _fake_check(
+    config: FakeRunConfig,
+    out: RunOutput,
+    console: Console,
+    decode: Server,
+    engine_cpu: Callable[[], float],
+    generator_cores: frozenset[int],
+) -> None:
+    """The fake engine alone on its core at the highest level (load generator moved to the
+    other core): can it keep its pace, and how much of a core does it need?"""
+    level = max(config.levels)
+    engine_cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, generator_cores)
+    try:
+        target = Target(base_url=decode.url, model=MODEL, api=Api.CHAT)
+        result = await run_level(
+            "direct", target, TenantSpec(name="bench"), level, config.spec, engine_cpu, None
+        )
+    finally:
+        os.sched_setaffinity(0, engine_cores)
+    out.extra.append(dataclasses.replace(result, target="fake engine alone (server = fakes)"))
+    _say(console, result, " (fake engine alone on its core)")
+
+
+async def run_real(
+    gateway_url: str,
+    engine_url: str,
+    api_key: str | None,
+    pid: int | None,
+    model: str | None,
+    levels: Sequence[int],
+    spec: LoadSpec,
+    console: Console,
+) -> RunOutput:
+    """Direct to ``engine_url`` and through ``gateway_url``, level by level (A B, A B)."""
+    out = RunOutput()
+    out.notes.append("real stack: no pinning; engine CPU not measured")
+    if model is None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            models = (await client.get(engine_url.rstrip("/") + "/v1/models")).json()
+            model = str(models["data"][0]["id"])
+    server_cpu = (lambda: process_tree_cpu_seconds(pid)) if pid else None
+    if pid is None:
+        out.notes.append("gateway CPU not reported (no --pid)")
+    before = _paths_or_empty(gateway_url)
+    for level in levels:
+        for name, url, key, cpu in (
+            ("direct", engine_url, None, None),
+            ("tandem", gateway_url, api_key, server_cpu),
+        ):
+            target = Target(base_url=url, model=model, api=Api.CHAT)
+            tenant = TenantSpec(name="bench", api_key=key)
+            result = await run_level(name, target, tenant, level, spec, cpu, None)
+            out.results.append(result)
+            _say(console, result)
+    after = _paths_or_empty(gateway_url)
+    out.paths["tandem"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return out
+
+
+def _paths_or_empty(url: str) -> dict[str, float]:
+    try:
+        return gateway_paths(url.rstrip("/"))
+    except (httpx.HTTPError, ValueError):
+        return {}

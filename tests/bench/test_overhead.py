@@ -1,0 +1,319 @@
+"""bench.overhead: the fast fake engine speaks vLLM's wire shapes, Tandem's gateway streams
+through both legs in front of it (started as users start it), and the figures are computed
+right from given records and CPU readings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.harness.records import RequestRecord
+from bench.harness.runner import execute
+from bench.harness.summary import Slos, summarize
+from bench.harness.workload import Api, Target, TenantSpec
+from bench.overhead.fake_http import serve
+from bench.overhead.fake_vllm import FakeVllm, Timing
+from bench.overhead.load import LoadSpec, plan, run_level, size_of_measured_phase
+from bench.overhead.measure import (
+    CpuWindow,
+    LevelResult,
+    added_latency,
+    core_busy,
+    count_chunks,
+    fit_cost,
+    net_cpu_s,
+    per_unit_ms,
+)
+from bench.overhead.procs import Server, start_fake_engine
+from bench.overhead.profile import package_of, parse_collapsed
+from bench.overhead.servers import TandemSetup, gateway_paths, start_tandem
+from bench.overhead.vllm_wire import REQUIRED_REMOTE_KEYS
+from core.errors import EngineError
+from gateway.kv_usage import parse_kv_usage
+from kv_transfer.handle import TransferHandle
+
+MODEL = "fake-model"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "three words here"}]
+
+
+# --- the fake engine, in this process ---------------------------------------------------------
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
+    engine = FakeVllm(MODEL, Timing(num_tokens=4, itl_s=0.002))
+    server = await serve(engine.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def events(url: str, body: dict[str, Any]) -> list[Any]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        text = (await response.read()).decode()
+    blocks = [block for block in text.split("\n\n") if block]
+    assert all(block.startswith("data: ") for block in blocks)
+    return [b[6:] if b == "data: [DONE]" else json.loads(b[6:]) for b in blocks]
+
+
+async def test_chat_stream_has_vllms_chunk_shapes(fake: tuple[FakeVllm, str]) -> None:
+    _, url = fake
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    out = await events(url + CHAT, {**body, "stream_options": {"include_usage": True}})
+    role, *tokens, usage_chunk, done = out
+    assert role["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}
+    ]  # fmt: skip
+    assert (role["prompt_token_ids"], role["prompt_text"]) == (None, None)
+    assert "usage" not in role  # vLLM excludes unset fields
+    assert [t["choices"][0]["delta"]["content"] for t in tokens] == [
+        "alpha",
+        " bravo",
+        " charlie",
+        " delta",
+    ]
+    assert [t["choices"][0]["finish_reason"] for t in tokens] == [None, None, None, "stop"]
+    assert tokens[-1]["choices"][0]["stop_reason"] is None
+    assert "stop_reason" not in tokens[0]["choices"][0]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4}
+    assert usage_chunk["system_fingerprint"].startswith("vllm-0.32.0-")
+    assert done == "[DONE]"
+    ids = {chunk["id"] for chunk in out[:-1]}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    assert {chunk["object"] for chunk in out[:-1]} == {"chat.completion.chunk"}
+
+    # Without include_usage: no usage chunk, the fingerprint rides on the last token.
+    plain = await events(url + CHAT, body)
+    assert plain[-1] == "[DONE]" and plain[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "system_fingerprint" in plain[-2] and all("usage" not in c for c in plain[:-1])
+
+
+async def test_max_tokens_and_continuous_usage(fake: tuple[FakeVllm, str]) -> None:
+    _, url = fake
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 2}
+    role, *tokens, usage_chunk, _ = await events(url + CHAT, {**body, "stream_options": options})
+    assert len(tokens) == 2 and tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert role["usage"]["completion_tokens"] == 0
+    assert [t["usage"]["completion_tokens"] for t in tokens] == [1, 2]
+    assert tokens[0]["usage"]["completion_tokens_details"] is None
+    assert usage_chunk["usage"]["completion_tokens"] == 2
+
+    completions = await events(
+        url + "/v1/completions",
+        {"model": MODEL, "prompt": "a b c", "stream": True, "max_tokens": 3},
+    )
+    assert [c["choices"][0]["text"] for c in completions[:-1]] == ["alpha", " bravo", " charlie"]
+    assert completions[0]["object"] == "text_completion"
+    assert completions[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_the_harness_accepts_the_fakes_streams(fake: tuple[FakeVllm, str]) -> None:
+    engine, url = fake
+    target = Target(base_url=url, model=MODEL, api=Api.CHAT)
+    requests = plan(6, LoadSpec(prompt_words=5, num_tokens=3), TenantSpec("t"), warmup=False)
+    records = await execute(target, requests, max_concurrency=3)
+    assert [r.error_type for r in records] == [None] * 6
+    assert all(r.completion_tokens == 3 and r.finish_reason == "length" for r in records)
+    assert count_chunks(records) == 6 * 4  # role chunk + 3 tokens each
+    assert engine.stats.running == 0 and engine.stats.streams == 6
+
+
+async def test_prefill_leg_answers_a_usable_transfer_handle(fake: tuple[FakeVllm, str]) -> None:
+    engine, url = fake
+    leg1 = {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + CHAT, json=leg1) as response:
+            answer = await response.json()
+        handle = TransferHandle.from_prefill_response(answer, "fake")  # the gateway's own check
+        assert handle.engine_id == engine.engine_id and handle.num_blocks == 1
+        assert all(answer["kv_transfer_params"][key] is not None for key in REQUIRED_REMOTE_KEYS)
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 1
+
+        leg2 = {**leg1, "max_tokens": 2, "kv_transfer_params": dict(handle.params)}
+        async with session.post(url + CHAT, json=leg2) as response:
+            assert response.status == 200
+            assert (await response.json())["choices"][0]["message"]["content"] == "alpha bravo"
+        broken = {**leg2, "kv_transfer_params": {"do_remote_prefill": True}}
+        async with session.post(url + CHAT, json=broken) as response:
+            assert response.status == 500
+            assert (await response.json())["error"]["code"] == 500
+    assert (engine.stats.prefill_legs, engine.stats.decode_legs) == (1, 2)
+    assert engine.stats.kv_failures == 1
+    with pytest.raises(EngineError):
+        TransferHandle.from_prefill_response({"kv_transfer_params": None}, "fake")
+
+
+async def test_metrics_health_models_and_a_client_leaving(fake: tuple[FakeVllm, str]) -> None:
+    engine, url = fake
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/health") as response:
+            assert response.status == 200
+        async with session.get(url + "/v1/models") as response:
+            assert (await response.json())["data"][0]["id"] == MODEL
+        async with session.get(url + "/metrics") as response:
+            text = await response.text()
+        body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+        async with session.post(url + CHAT, json=body) as response:
+            await response.content.readline()
+            assert engine.stats.running == 1
+        async with session.post(url + CHAT, json={**body, "model": "other"}) as response:
+            assert response.status == 404
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= names
+    assert parse_kv_usage(text) == 0.0
+    for _ in range(100):
+        if engine.stats.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert (engine.stats.aborted, engine.stats.running) == (1, 0)
+
+
+# --- Tandem's gateway in front of the fakes, as processes --------------------------------------
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[Server, Server, Server, str]]:
+    timing = Timing(num_tokens=3, itl_s=0.002)
+    started: list[Server] = []
+    try:
+        for role in ("prefill", "decode"):
+            started.append(start_fake_engine(f"fake-{role}", timing, MODEL, tmp_path, None))
+        prefill, decode = started
+        gateway, key = start_tandem(TandemSetup(), prefill.url, decode.url, MODEL, tmp_path, None)
+        started.append(gateway)
+        assert key is not None
+        yield prefill, decode, gateway, key
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+async def test_gateway_streams_through_both_legs(stack: tuple[Server, Server, Server, str]) -> None:
+    prefill, decode, gateway, key = stack
+    target = Target(base_url=gateway.url, model=MODEL, api=Api.CHAT)
+    spec = LoadSpec(prompt_words=8, num_tokens=3, min_requests=4, max_requests=4)
+    result = await run_level(
+        "tandem-2leg", target, TenantSpec("t", api_key=key), 2, spec, gateway.cpu_seconds, None
+    )
+    assert (result.summary.sent, result.summary.failed) == (4, 0)
+    # role + 3 tokens, the last split in two by the gateway (OpenAI's separate finish chunk)
+    assert result.num_chunks == 4 * 5
+    # The phase is too short for /proc's 10 ms CPU ticks; the process's total is not.
+    assert result.cpu.server_s is not None and result.cpu.server_s >= 0
+    assert gateway.cpu_seconds() > 0.1  # the gateway itself (imports, start-up), not a wrapper
+    async with httpx.AsyncClient() as client:
+        p_stats = (await client.get(prefill.url + "/_fake/stats")).json()
+        d_stats = (await client.get(decode.url + "/_fake/stats")).json()
+    assert p_stats["prefill_legs"] == 9 and p_stats["streams"] == 0  # 5 warm-up + 4
+    assert d_stats["decode_legs"] == 9 and d_stats["prefill_legs"] == 0
+    assert d_stats["kv_failures"] == 0
+    leg2 = d_stats["last_bodies"][-1]
+    assert leg2["kv_transfer_params"]["remote_block_ids"]
+    assert leg2["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    paths = await asyncio.to_thread(gateway_paths, gateway.url)
+    assert paths == {"disaggregated/long_prompt/finished": 9.0}
+
+
+# --- the figures ------------------------------------------------------------------------------
+def record(index: int, ttft: float, gaps: list[float], *, warmup: bool = False) -> RequestRecord:
+    r = RequestRecord(index, "t", warmup, None, max_tokens=8, expected_prompt_tokens=4)
+    r.status, r.sent_s, r.ttft_s, r.itl_s = 200, 0.0, ttft, gaps
+    r.e2e_s = r.elapsed_s = ttft + sum(gaps)
+    r.prompt_tokens, r.completion_tokens, r.content_chunks = 4, len(gaps) + 1, len(gaps) + 1
+    r.finish_reason = "length"
+    return r
+
+
+def level(
+    cpu_s: float | None, records: list[RequestRecord], idle: float | None = None
+) -> LevelResult:
+    return LevelResult(
+        target="x",
+        concurrency=1,
+        num_tokens=8,
+        summary=summarize(records, Slos()),
+        num_chunks=count_chunks(records),
+        cpu=CpuWindow(server_s=cpu_s, engine_s=None, wall_s=2.0, core_busy={}),
+        idle_cpu_ms_per_s=idle,
+    )
+
+
+def test_added_latency_is_a_difference_of_percentiles() -> None:
+    direct = summarize([record(i, 0.001, [0.020, 0.020]) for i in range(3)], Slos())
+    through = summarize([record(i, 0.004, [0.021, 0.021]) for i in range(3)], Slos())
+    added = added_latency(through, direct)
+    assert added.ttft_p50 == pytest.approx(3.0) and added.ttft_p99 == pytest.approx(3.0)
+    assert added.itl_p50 == pytest.approx(1.0) and added.itl_p99 == pytest.approx(1.0)
+    empty = summarize([], Slos())
+    assert added_latency(through, empty).ttft_p50 is None
+
+
+def test_cpu_per_request_and_chunk_net_of_idle() -> None:
+    records = [record(i, 0.001, [0.02] * 9) for i in range(4)] + [
+        record(9, 0.5, [0.02] * 9, warmup=True)  # warm-up: neither counted nor charged
+    ]
+    result = level(0.2, records)
+    assert result.num_chunks == 40
+    assert result.cpu_ms_per_request == pytest.approx(50.0)
+    assert result.cpu_ms_per_chunk == pytest.approx(5.0)
+    # 10 ms/s idle over the 2 s phase is 20 ms that no request caused.
+    idle = level(0.2, records, idle=10.0)
+    assert idle.cpu_ms_per_request == pytest.approx(45.0)
+    assert idle.gross_cpu_ms_per_request == pytest.approx(50.0)
+    assert net_cpu_s(0.01, 10.0, 2.0) == 0.0 and net_cpu_s(None, 1.0, 1.0) is None
+    assert per_unit_ms(1.0, 0) is None and level(None, records).cpu_ms_per_chunk is None
+
+
+def test_fit_splits_cost_into_per_request_and_per_chunk() -> None:
+    # 1 ms per request + 0.1 ms per chunk: 2 chunks -> 1.2 ms, 10 chunks -> 2.0 ms.
+    short = level(4 * 1.2e-3, [record(i, 0.001, [0.02]) for i in range(4)])
+    long = level(4 * 2.0e-3, [record(i, 0.001, [0.02] * 9) for i in range(4)])
+    fit = fit_cost(short, long)
+    assert fit is not None
+    assert fit.ms_per_request == pytest.approx(1.0) and fit.ms_per_chunk == pytest.approx(0.1)
+    assert fit.at(34) == pytest.approx(4.4)
+    assert fit_cost(short, short) is None
+
+
+def test_core_busy_and_measured_phase_size() -> None:
+    assert core_busy([(1.0, 10.0), (0.0, 10.0)], [(2.0, 12.0), (2.0, 12.0)]) == {0: 0.5, 1: 1.0}
+    spec = LoadSpec(duration_s=10.0, min_requests=10, max_requests=1000)
+    assert size_of_measured_phase(64, 1.0, 64, spec) == 640  # 64 req/s for 10 s
+    assert size_of_measured_phase(5, 5.0, 1, spec) == 10  # floor: min_requests
+    assert size_of_measured_phase(512, 1.0, 512, spec) == 1024  # floor: two rounds
+    assert size_of_measured_phase(5000, 1.0, 64, spec) == 1000  # cap
+
+
+def test_profile_aggregates_collapsed_stacks_by_function_and_package() -> None:
+    root = "/repo/"
+    site = "/venv/lib/python3.11/site-packages/"
+    lines = [
+        f"run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:80);"
+        f"loads ({site}orjson/__init__.py:3) 30",
+        "run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:90) 10",
+        "not a stack line",
+    ]
+    profile = parse_collapsed(lines, root)
+    assert profile.num_samples == 40
+    assert profile.self_by_function["loads (orjson/__init__.py)"] == 30
+    assert profile.self_by_function["events (gateway/relay.py)"] == 10
+    assert profile.total_by_function["events (gateway/relay.py)"] == 40  # both lines, once each
+    assert profile.self_by_package == {"orjson": 30, "gateway": 10}
+    assert profile.top(profile.self_by_package, 1) == [("orjson", 30, 0.75)]
+    assert package_of("/usr/lib/python3.11/asyncio/base_events.py", root) == "stdlib:asyncio"
