@@ -2,14 +2,16 @@
 
 Writes one prompt set with ``tandem bench``'s dataset, then runs ``vllm bench serve`` (its
 ``vllm.benchmarks.serve``, in a child process: nothing here imports vllm) and ``tandem bench``
-with the same prompts, output lengths (``ignore_eos``), rate, concurrency cap and API, alternating
-A B A B so drift hits both alike. Prints each run and the medians across rounds side by side:
+with the same prompts, output lengths (``ignore_eos``), schedule, concurrency cap and API,
+alternating A B B A so drift hits both alike. Use ``--arrival closed`` or ``constant``: then both
+tools send at the same instants; Poisson arrivals differ between the tools' random draws, which
+moves TTFT by a few percent on its own. Prints each run and the medians across rounds side by side:
 
 - request counts and input/output token totals must be equal (both read the server's usage);
 - TTFT and ITL medians must agree within ``--tolerance`` (5 %).
 
-    python -m bench.vs_vllm --base-url http://127.0.0.1:8300 --num-requests 48 --rate 2 \
-        --max-concurrency 4 --input-len fixed:128 --output-len fixed:32 --rounds 2
+    python -m bench.vs_vllm --base-url http://127.0.0.1:8300 --model NAME --num-requests 48 \
+        --arrival constant --rate 2 --max-concurrency 4 --input-len fixed:128 --output-len fixed:32
 
 Exit status 0 when every check holds, 1 when one does not.
 """
@@ -98,7 +100,8 @@ def vllm_command(args: argparse.Namespace, dataset: Path, result_dir: Path, name
         "--skip-chat-template",
         "--custom-output-len", "-1",  # each line's output_tokens
         "--num-prompts", str(args.num_requests),
-        "--request-rate", str(args.rate),
+        "--request-rate", "inf" if args.arrival == "closed" else str(args.rate),
+        "--burstiness", "inf" if args.arrival == "constant" else "1",
         "--max-concurrency", str(args.max_concurrency),
         "--seed", str(args.seed),
         "--ignore-eos",
@@ -148,10 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--input-len", default="fixed:128")
     parser.add_argument("--output-len", default="fixed:32")
+    parser.add_argument(
+        "--arrival",
+        choices=("closed", "constant", "poisson"),
+        default="constant",
+        help="closed: --max-concurrency in flight, no rate; constant and closed send the same "
+        "schedule from both tools, Poisson schedules come from each tool's own random draws",
+    )
     parser.add_argument("--rate", type=float, default=2.0)
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=2, help="A B pairs, alternating order")
+    parser.add_argument("--rounds", type=int, default=4, help="runs of each tool, A B B A ...")
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args(argv)
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, list[dict[str, float]]] = {"vllm bench serve": [], "tandem bench": []}
     for round_no in range(args.rounds):
-        order = ("vllm", "tandem") if round_no % 2 == 0 else ("tandem", "vllm")
+        order = ("vllm", "tandem") if round_no % 2 == 0 else ("tandem", "vllm")  # A B B A
         for tool in order:
             console.print(f"round {round_no + 1}: {tool} ...")
             if tool == "vllm":

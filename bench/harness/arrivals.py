@@ -1,7 +1,7 @@
 """Load shapes: when each request is sent.
 
 - ``concurrency``: closed loop, a fixed number of requests in flight (``--concurrency``);
-- ``constant``: evenly spaced at ``rate``;
+- ``constant``: evenly spaced at ``rate``, the first one interval after the start;
 - ``poisson``: exponential gaps at ``rate``;
 - ``gamma``: gamma gaps with ``burstiness`` (vLLM's ``--burstiness``: < 1 burstier, 1 is Poisson);
 - ``burst``: ``burst_size`` requests at once every ``burst_interval_s``.
@@ -75,7 +75,7 @@ class LoadShape:
         if math.isinf(self.rate):
             return [0.0] * n  # vLLM's default rate: everything at once
         if self.arrival is Arrival.CONSTANT:
-            return [i / self.rate for i in range(n)]
+            return [(i + 1) / self.rate for i in range(n)]  # vLLM's burstiness=inf schedule
         shape = 1.0 if self.arrival is Arrival.POISSON else self.burstiness
         gaps = rng.gamma(shape=shape, scale=1.0 / (self.rate * shape), size=n)
         times = np.cumsum(gaps)

@@ -20,7 +20,8 @@ def test_closed_loop_has_no_schedule() -> None:
 
 
 def test_constant_rate_is_evenly_spaced() -> None:
-    assert LoadShape(Arrival.CONSTANT, rate=4).offsets(4, rng()) == [0.0, 0.25, 0.5, 0.75]
+    # vLLM's --burstiness inf: every gap 1/rate, the first too, the last at N / rate.
+    assert LoadShape(Arrival.CONSTANT, rate=4).offsets(4, rng()) == [0.25, 0.5, 0.75, 1.0]
 
 
 def test_infinite_rate_sends_everything_at_once() -> None:
