@@ -1,6 +1,7 @@
-"""Benchmarks that print figures: TTFT/ITL through the gateway vs directly on a worker
-(``gateway_vs_direct``), what moving KV costs (``kv_transfer``), and what the gateway's
-streaming path costs: moderation window, heartbeats, memory per open stream (``streaming``).
+"""Benchmarks that print figures: ``tandem bench`` (``harness``, checked against vLLM's own
+benchmark by ``vs_vllm``), what the gateway adds over an engine and over LiteLLM
+(``overhead``), what moving KV costs (``kv_transfer``), and what the gateway's streaming path
+costs: moderation window, heartbeats, memory per open stream (``streaming``).
 
 Figures live here, never as timed assertions in tests.
 """

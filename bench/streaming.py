@@ -23,10 +23,9 @@ gateway's own streaming path: relay, output moderation, SSE framing, heartbeats.
    streams open against an engine that sends one token and then goes quiet for an hour.
 
 TTFT = request sent -> first chunk with content; ITL = gap between consecutive content chunks
-as the client receives them, pooled over all requests (``bench.gateway_vs_direct``'s
-definitions). In 1 and 2 the configurations take turns in ``--rounds`` rounds with a rotating
-order, so drift hits all of them alike. Prompts are fixed and the fake's output is seeded by
-the prompt, so runs are comparable.
+as the client receives them, pooled over all requests. In 1 and 2 the configurations take
+turns in ``--rounds`` rounds with a rotating order, so drift hits all of them alike. Prompts
+are fixed and the fake's output is seeded by the prompt, so runs are comparable.
 """
 
 from __future__ import annotations
@@ -49,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 import uvicorn
 
-from bench.gateway_vs_direct import PROMPTS, percentile
 from core.messages import WorkerRole
 from core.moderation import ModerationPolicy
 from gateway.app import AccessConfig, GatewayConfig, create_app
@@ -62,6 +61,13 @@ from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from moderation.stream import StreamConfig
 from workers.pool import PoolConfig, WorkerPool
+
+PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "What are three good habits for a software engineer?",
+    "Describe how a bicycle works.",
+)
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 8192
@@ -496,7 +502,7 @@ async def idle_memory(
 
 
 def ms(values: list[float], q: float) -> float:
-    return percentile(values, q) * 1000
+    return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
 
 def cpu_ms_per_stream(samples: Samples) -> float:
