@@ -18,10 +18,12 @@ definitions and the configurations.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-ttft-ms", type=float, default=0.0, help="fake: decode leg's first token")
     p.add_argument("--prompt-words", type=int, help="prompt length (default 100; real: 300)")
     p.add_argument("--max-requests", type=int, default=20_000, help="cap per measured phase")
+    p.add_argument(
+        "--burst", action="store_true", help="start each level's streams together (see load.py)"
+    )
     p.add_argument("--no-auth", action="store_true", help="Tandem without keys and quotas")
     p.add_argument("--litellm", type=Path, help=f"litellm binary (default {DEFAULT_LITELLM})")
     p.add_argument("--profile", type=Path, help="py-spy profile: .svg, .json (speedscope), .txt")
@@ -106,38 +111,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_tokens=args.tokens,
         duration_s=args.duration_s,
         max_requests=args.max_requests,
+        stagger=not args.burst,
     )
     levels = args.concurrency or ([1, 4] if real else [1, 64, 512])
     import uvloop  # the load generator's loop: the cheapest per event
 
     started = time.time()
-    if real:
-        output = uvloop.run(
-            run_real(
-                args.real_gateway, args.real_engine, args.api_key, args.pid, args.model,
-                levels, spec, console,
-            )
-        )  # fmt: skip
-        config: dict[str, Any] = {"mode": "real", "gateway": args.real_gateway}
-    else:
-        run_config = _fake_config(args, levels, spec, console)
-        output = uvloop.run(run_fake(run_config, console))
-        config = {
-            "mode": "fake",
-            "timing": {
-                "tokens": args.tokens, "itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms,
-                "kv_ttft_ms": args.kv_ttft_ms,
-            },
-            "targets": list(run_config.targets),
-            "auth": run_config.auth,
-            "litellm": _litellm_version(run_config.litellm),
-        }  # fmt: skip
+    config: dict[str, Any]
+    try:
+        if real:
+            config = {"mode": "real", "gateway": args.real_gateway}
+            output = uvloop.run(
+                _stoppable(
+                    run_real(
+                        args.real_gateway, args.real_engine, args.api_key, args.pid,
+                        args.model, levels, spec, console,
+                    )
+                )
+            )  # fmt: skip
+        else:
+            run_config = _fake_config(args, levels, spec, console)
+            config = {
+                "mode": "fake",
+                "timing": {
+                    "tokens": args.tokens, "itl_ms": args.itl_ms, "ttft_ms": args.ttft_ms,
+                    "kv_ttft_ms": args.kv_ttft_ms,
+                },
+                "targets": list(run_config.targets),
+                "auth": run_config.auth,
+                "litellm": _litellm_version(run_config.litellm),
+            }  # fmt: skip
+            output = uvloop.run(_stoppable(run_fake(run_config, console)))
+    except asyncio.CancelledError:
+        console.print("stopped: every server this run started is stopped")
+        return 130
     config.update(levels=levels, prompt_words=spec.prompt_words, duration_s=spec.duration_s)
     _print(console, output, spec)
     if args.out_json:
         report.write_json(args.out_json, _payload(config, output, time.time() - started))
         console.print(f"figures written to {args.out_json}")
     return 0
+
+
+async def _stoppable(run: Coroutine[Any, Any, RunOutput]) -> RunOutput:
+    """``run``, cancelled by SIGINT or SIGTERM so that its servers are stopped on the way out
+    (a background job's SIGINT is ignored, and SIGTERM would skip every ``finally``)."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    if task is not None:
+        for sig in signals:
+            loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await run
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+            if previous[sig] is not None:  # None: set outside Python, nothing to restore
+                signal.signal(sig, previous[sig])
 
 
 def _fake_config(

@@ -3,11 +3,18 @@
 A level is a warm-up (``max(concurrency, 5)`` requests by default, its figures discarded) and a
 measured phase whose size comes from the warm-up's throughput, so each level runs about
 ``duration_s`` whatever the target's speed. CPU readings bracket the measured phase only.
+
+The measured phase's first N streams start spread over one stream's length (the warm-up's
+median end-to-end time), then each next request goes out when a stream ends. Started together,
+N identical fake streams would stay phase-locked for the whole run: N requests arriving in the
+same millisecond once per stream length and N chunks per token tick, which measures a burst
+the server queues, not its steady state. ``LoadSpec.stagger=False`` keeps the burst.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +27,8 @@ from bench.harness.summary import Slos, summarize
 from bench.harness.workload import PlannedRequest, Target, TenantSpec
 from bench.overhead.measure import CpuWindow, LevelResult, core_busy, count_chunks
 
-CpuReader = Callable[[], float]
+CpuReader = Callable[[], tuple[float, float]]
+"""User and system CPU seconds so far."""
 
 _FILLER_TEXT = (
     "the quick brown fox jumps over the lazy dog while a gateway relays every token it hears "
@@ -42,6 +50,8 @@ class LoadSpec:
     max_requests: int = 20_000
     warmup_requests: int | None = None
     """None: ``max(concurrency, 5)``."""
+    stagger: bool = True
+    """Spread the first streams' starts over one stream's length (see the module docstring)."""
 
 
 def prompt_text(index: int, num_words: int) -> str:
@@ -52,9 +62,16 @@ def prompt_text(index: int, num_words: int) -> str:
 
 
 def plan(
-    num_requests: int, spec: LoadSpec, tenant: TenantSpec, *, warmup: bool, first_index: int = 0
+    num_requests: int,
+    spec: LoadSpec,
+    tenant: TenantSpec,
+    *,
+    warmup: bool,
+    first_index: int = 0,
+    offsets: list[float | None] | None = None,
 ) -> list[PlannedRequest]:
-    """Closed-loop requests (no schedule): each is sent when a concurrency slot frees."""
+    """Closed-loop requests: each is sent when a concurrency slot frees (and not before its
+    offset, when ``offsets`` gives one)."""
     return [
         PlannedRequest(
             index=i,
@@ -65,10 +82,18 @@ def plan(
                 output_tokens=spec.num_tokens,
             ),
             warmup=warmup,
-            scheduled_s=None,
+            scheduled_s=offsets[i - first_index] if offsets else None,
         )
         for i in range(first_index, first_index + num_requests)
     ]
+
+
+def staggered_offsets(num_requests: int, concurrency: int, ramp_s: float) -> list[float | None]:
+    """Start offsets spreading the first ``concurrency`` requests evenly over ``ramp_s``; the
+    others are due at ``ramp_s`` and wait, in order, for a stream to end."""
+    if ramp_s <= 0 or concurrency <= 1:
+        return [None] * num_requests
+    return [min(k, concurrency) * ramp_s / concurrency for k in range(num_requests)]
 
 
 def size_of_measured_phase(
@@ -91,6 +116,19 @@ def _core_times() -> list[tuple[float, float]]:
     return readings
 
 
+def _spent(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    if before is None or after is None:
+        return None
+    return after[0] - before[0], after[1] - before[1]
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def run_level(
     name: str,
     target: Target,
@@ -108,18 +146,21 @@ async def run_level(
     warmup_wall = time.perf_counter() - started
     num_measured = size_of_measured_phase(num_warmup, warmup_wall, concurrency, spec)
     requests = plan(num_measured, spec, tenant, warmup=False, first_index=num_warmup)
-    cores0, wall0 = _core_times(), time.perf_counter()
+    cores0, wall0, generator0 = _core_times(), time.perf_counter(), _own_cpu_s()
     server0 = server_cpu() if server_cpu else None
     engine0 = engine_cpu() if engine_cpu else None
     records = await execute(target, requests, max_concurrency=concurrency)
     server1 = server_cpu() if server_cpu else None
     engine1 = engine_cpu() if engine_cpu else None
-    wall = time.perf_counter() - wall0
+    wall, generator = time.perf_counter() - wall0, _own_cpu_s() - generator0
+    server_s = _spent(server0, server1)
     cpu = CpuWindow(
-        server_s=None if server0 is None or server1 is None else server1 - server0,
-        engine_s=None if engine0 is None or engine1 is None else engine1 - engine0,
+        server_s=None if server_s is None else sum(server_s),
+        server_system_s=None if server_s is None else server_s[1],
+        engine_s=None if (engine_s := _spent(engine0, engine1)) is None else sum(engine_s),
         wall_s=wall,
         core_busy=core_busy(cores0, _core_times()),
+        generator_s=generator,
     )
     return LevelResult(
         target=name,
@@ -136,6 +177,6 @@ async def run_level(
 
 async def idle_cpu_rate(server_cpu: CpuReader, seconds: float) -> float:
     """The server's CPU ms per second while nothing is sent to it."""
-    before, started = server_cpu(), time.perf_counter()
+    before, started = sum(server_cpu()), time.perf_counter()
     await asyncio.sleep(seconds)
-    return (server_cpu() - before) * 1000 / (time.perf_counter() - started)
+    return (sum(server_cpu()) - before) * 1000 / (time.perf_counter() - started)

@@ -30,12 +30,26 @@ class CpuWindow:
     """CPU readings around a measured phase."""
 
     server_s: float | None
-    """CPU seconds the server under test used (None: not measured)."""
+    """CPU seconds the server under test used, user + system (None: not measured)."""
     engine_s: float | None
     """CPU seconds the fake engines used."""
     wall_s: float
     core_busy: Mapping[int, float]
     """Share of each core's time that anything (ours or not) was running, 0..1."""
+    generator_s: float | None = None
+    """CPU seconds of the load generator (this process)."""
+    server_system_s: float | None = None
+    """The part of ``server_s`` spent in the kernel (socket reads and writes, mostly)."""
+
+    @property
+    def others_cores(self) -> float | None:
+        """Cores' worth of CPU used by processes that are not part of the benchmark (other
+        people's work on a shared machine): what perturbs the figures."""
+        if self.wall_s <= 0 or self.generator_s is None:
+            return None
+        busy_s = sum(self.core_busy.values()) * self.wall_s
+        ours_s = (self.server_s or 0.0) + (self.engine_s or 0.0) + self.generator_s
+        return max(0.0, busy_s - ours_s) / self.wall_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +107,12 @@ class LevelResult:
             "num_chunks": self.num_chunks,
             "chunks_per_request": self.chunks_per_request,
             "cpu_server_s": self.cpu.server_s,
+            "cpu_server_system_s": self.cpu.server_system_s,
             "cpu_engine_s": self.cpu.engine_s,
             "wall_s": self.cpu.wall_s,
             "core_busy": {str(core): busy for core, busy in self.cpu.core_busy.items()},
+            "cpu_generator_s": self.cpu.generator_s,
+            "others_cores": self.cpu.others_cores,
             "idle_cpu_ms_per_s": self.idle_cpu_ms_per_s,
             "num_warmup": self.num_warmup,
             "warmup_wall_s": self.warmup_wall_s,

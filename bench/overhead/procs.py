@@ -2,8 +2,8 @@
 
 Each runs as a child process pinned to its cores (``sched_setaffinity`` before ``exec``, so
 every thread and child inherits it), in its own session (so stopping it takes its children
-along), with its output in a log file (a full pipe would stall it). ``Server.cpu_seconds`` is
-what the process and its live children used so far (user + system).
+along), with its output in a log file (a full pipe would stall it). ``Server.cpu_times`` is
+what the process and its live children used so far (user, system).
 """
 
 from __future__ import annotations
@@ -46,9 +46,12 @@ class Server:
     def pid(self) -> int:
         return self.process.pid
 
+    def cpu_times(self) -> tuple[float, float]:
+        """User and system CPU seconds of the process and its live children, so far."""
+        return process_tree_cpu_times(self.pid)
+
     def cpu_seconds(self) -> float:
-        """User + system CPU of the process and its live children, so far."""
-        return process_tree_cpu_seconds(self.pid)
+        return sum(self.cpu_times())
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to its session, then SIGKILL after ``timeout_s``; idempotent."""
@@ -70,19 +73,19 @@ class Server:
             return "(no log)"
 
 
-def process_tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its live descendants (0 for gone ones)."""
-    total = 0.0
+def process_tree_cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` and its live descendants (0 for gone ones)."""
+    user = system = 0.0
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
+        return 0.0, 0.0
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             times = process.cpu_times()
-            total += times.user + times.system
-    return total
+            user, system = user + times.user, system + times.system
+    return user, system
 
 
 def free_port() -> int:

@@ -23,6 +23,13 @@ from typing import Any
 
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")
 _FORMATS = {".svg": "flamegraph", ".json": "speedscope"}
+_EVENT_LOOP = "event loop C code (uvloop I/O + callbacks, httptools)"
+_LOOP_FRAMES = {
+    "Runner.run (asyncio/runners.py)",
+    "run (asyncio/runners.py)",
+    "BaseEventLoop.run_until_complete (asyncio/base_events.py)",
+    "BaseEventLoop.run_forever (asyncio/base_events.py)",
+}
 
 
 @dataclass(slots=True)
@@ -55,7 +62,12 @@ def function_of(frame: str, root: str) -> tuple[str, str]:
     if match is None:
         return frame, "other"
     path = match["file"]
-    return f"{match['func']} ({_short(path, root)})", package_of(path, root)
+    name = f"{match['func']} ({_short(path, root)})"
+    if name in _LOOP_FRAMES:
+        # The leaf is the loop itself: the sample was in C code the loop called directly
+        # (uvloop's socket I/O and callbacks, httptools' parser), below any Python frame.
+        return _EVENT_LOOP, _EVENT_LOOP
+    return name, package_of(path, root)
 
 
 def _short(path: str, root: str) -> str:
@@ -69,6 +81,8 @@ def _short(path: str, root: str) -> str:
 
 def package_of(path: str, root: str) -> str:
     """The top-level package a file belongs to (``stdlib:asyncio`` for the standard library)."""
+    if not path.startswith("/"):  # py-spy's short names: relative to their sys.path entry
+        return path.split("/", 1)[0].removesuffix(".py")
     if "site-packages/" in path:
         return path.split("site-packages/", 1)[1].split("/", 1)[0].removesuffix(".py")
     if root and path.startswith(root):
@@ -87,7 +101,12 @@ def parse_collapsed(lines: Sequence[str], root: str) -> Profile:
         if not stack or not count_text.isdigit():
             continue
         count = int(count_text)
-        frames = [function_of(frame, root) for frame in stack.split(";") if frame]
+        # py-spy roots each stack at a "process PID:..." frame with --subprocesses.
+        frames = [
+            function_of(frame, root)
+            for frame in stack.split(";")
+            if frame and not frame.startswith("process ")
+        ]
         if not frames:
             continue
         profile.num_samples += count
@@ -103,7 +122,7 @@ class PySpy:
     """A py-spy sampler attached to ``pid`` until ``stop()``. Use as a context manager."""
 
     def __init__(
-        self, binary: Path, pid: int, out: Path, cores: frozenset[int] | None, rate: int = 100
+        self, binary: Path, pid: int, out: Path, cores: frozenset[int] | None, rate: int = 200
     ) -> None:
         self._argv_base = [str(binary), "record", "--pid", str(pid), "--rate", str(rate)]
         self._argv_base += ["--nonblocking", "--subprocesses"]
@@ -114,15 +133,16 @@ class PySpy:
         self.log = out.with_suffix(".py-spy.log")
 
     def __enter__(self) -> PySpy:
-        outputs = {self.raw: "raw"}
+        # Full file names in the raw stacks: "asyncio/..." alone could be any package's.
+        outputs = {self.raw: ["--format", "raw", "--full-filenames"]}
         if self.out != self.raw:
-            outputs[self.out] = _FORMATS[self.out.suffix]
+            outputs[self.out] = ["--format", _FORMATS[self.out.suffix]]
         cores = self._cores
         with self.log.open("wb") as log:
-            for path, fmt in outputs.items():
+            for path, options in outputs.items():
                 self._processes.append(
                     subprocess.Popen(
-                        [*self._argv_base, "--format", fmt, "--output", str(path)],
+                        [*self._argv_base, *options, "--output", str(path)],
                         stdout=log,
                         stderr=log,
                         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,

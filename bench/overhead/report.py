@@ -66,11 +66,11 @@ def cpu_table(results: Sequence[LevelResult], server_core: str, engine_core: str
     table = Table(
         title=f"CPU of the server under test (core {server_core}) in the measured phase "
         f"(ms/request, ms/chunk: net of its idle rate); engines + load generator on core "
-        f"{engine_core}"
+        f"{engine_core}; others = cores used by processes outside the benchmark"
     )
     for name in ("target", "conc", "server CPU s", "wall s", "server cores", "idle ms/s",
                  "gross ms/req", "ms/request", "ms/chunk", "chunks/req", "engine ms/req",
-                 "core busy"):  # fmt: skip
+                 "core busy", "others"):  # fmt: skip
         table.add_column(name, justify="left" if name == "target" else "right")
     for r in results:
         busy = " ".join(f"{core}:{_pct(share)}" for core, share in r.cpu.core_busy.items())
@@ -87,6 +87,7 @@ def cpu_table(results: Sequence[LevelResult], server_core: str, engine_core: str
             _f(r.chunks_per_request, 1),
             _f(ratio(r.cpu.engine_s and r.cpu.engine_s * 1000, r.summary.sent), 3),
             busy,
+            _f(r.cpu.others_cores),
         )
     return table
 

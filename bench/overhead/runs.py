@@ -14,7 +14,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,11 @@ from rich.console import Console
 
 from bench.harness.workload import Api, Target, TenantSpec
 from bench.overhead.fake_vllm import Timing
-from bench.overhead.load import LoadSpec, idle_cpu_rate, run_level
+from bench.overhead.load import CpuReader, LoadSpec, idle_cpu_rate, run_level
 from bench.overhead.measure import Cost, LevelResult, fit_cost
 from bench.overhead.procs import (
     Server,
-    process_tree_cpu_seconds,
+    process_tree_cpu_times,
     start_fake_engine,
     usable_cores,
 )
@@ -109,8 +109,9 @@ async def run_fake(config: FakeRunConfig, console: Console) -> RunOutput:
             )
         prefill, decode = engines
 
-        def engine_cpu() -> float:
-            return sum(engine.cpu_seconds() for engine in engines)
+        def engine_cpu() -> tuple[float, float]:
+            times = [engine.cpu_times() for engine in engines]
+            return sum(t[0] for t in times), sum(t[1] for t in times)
 
         for name in config.targets:
             await _run_target(
@@ -142,7 +143,7 @@ async def _run_target(
     decode: Server,
     work_dir: Path,
     cores: frozenset[int] | None,
-    engine_cpu: Callable[[], float],
+    engine_cpu: CpuReader,
 ) -> None:
     server: Server | None = None
     api_key: str | None = None
@@ -165,9 +166,9 @@ async def _run_target(
     console.print(f"[bold]{name}[/]" + (f" (pid {server.pid}, {server.url})" if server else ""))
     target = Target(base_url=(server or decode).url, model=MODEL, api=Api.CHAT)
     tenant = TenantSpec(name="bench", api_key=api_key)
-    server_cpu = server.cpu_seconds if server else None
+    server_cpu = server.cpu_times if server else None
     try:
-        idle = await idle_cpu_rate(server.cpu_seconds, config.idle_s) if server else None
+        idle = await idle_cpu_rate(server.cpu_times, config.idle_s) if server else None
         if idle is not None:
             console.print(f"  idle CPU: {idle:.1f} ms/s (subtracted from the per-request figures)")
 
@@ -217,7 +218,7 @@ async def _fake_check(
     out: RunOutput,
     console: Console,
     decode: Server,
-    engine_cpu: Callable[[], float],
+    engine_cpu: CpuReader,
     generator_cores: frozenset[int],
 ) -> None:
     """The fake engine alone on its core at the highest level (load generator moved to the
@@ -253,7 +254,7 @@ async def run_real(
         async with httpx.AsyncClient(timeout=10) as client:
             models = (await client.get(engine_url.rstrip("/") + "/v1/models")).json()
             model = str(models["data"][0]["id"])
-    server_cpu = (lambda: process_tree_cpu_seconds(pid)) if pid else None
+    server_cpu = (lambda: process_tree_cpu_times(pid)) if pid else None
     if pid is None:
         out.notes.append("gateway CPU not reported (no --pid)")
     before = _paths_or_empty(gateway_url)

@@ -19,9 +19,16 @@ from bench.harness.records import RequestRecord
 from bench.harness.runner import execute
 from bench.harness.summary import Slos, summarize
 from bench.harness.workload import Api, Target, TenantSpec
+from bench.overhead.cli import main
 from bench.overhead.fake_http import serve
 from bench.overhead.fake_vllm import FakeVllm, Timing
-from bench.overhead.load import LoadSpec, plan, run_level, size_of_measured_phase
+from bench.overhead.load import (
+    LoadSpec,
+    plan,
+    run_level,
+    size_of_measured_phase,
+    staggered_offsets,
+)
 from bench.overhead.measure import (
     CpuWindow,
     LevelResult,
@@ -209,7 +216,7 @@ async def test_gateway_streams_through_both_legs(stack: tuple[Server, Server, Se
     target = Target(base_url=gateway.url, model=MODEL, api=Api.CHAT)
     spec = LoadSpec(prompt_words=8, num_tokens=3, min_requests=4, max_requests=4)
     result = await run_level(
-        "tandem-2leg", target, TenantSpec("t", api_key=key), 2, spec, gateway.cpu_seconds, None
+        "tandem-2leg", target, TenantSpec("t", api_key=key), 2, spec, gateway.cpu_times, None
     )
     assert (result.summary.sent, result.summary.failed) == (4, 0)
     # role + 3 tokens, the last split in two by the gateway (OpenAI's separate finish chunk)
@@ -228,6 +235,23 @@ async def test_gateway_streams_through_both_legs(stack: tuple[Server, Server, Se
     assert leg2["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     paths = await asyncio.to_thread(gateway_paths, gateway.url)
     assert paths == {"disaggregated/long_prompt/finished": 9.0}
+
+
+def test_cli_runs_direct_and_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = [
+        "--targets", "direct", "--concurrency", "2", "--duration-s", "0.2", "--tokens", "3",
+        "--itl-ms", "2", "--fit-concurrency", "0", "--no-fake-check", "--no-pin",
+        "--out-json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    figures = json.loads(out.read_text())
+    (result,) = figures["results"]
+    assert (result["target"], result["concurrency"]) == ("direct", 2)
+    assert result["summary"]["failed"] == 0 and result["summary"]["sent"] >= 10
+    assert result["chunks_per_request"] == 4  # role chunk + 3 tokens
+    assert figures["engine_stats"]["fake-decode"]["streams"] == result["summary"]["sent"] + 5
+    assert figures["config"]["timing"]["tokens"] == 3
 
 
 # --- the figures ------------------------------------------------------------------------------
@@ -291,6 +315,12 @@ def test_fit_splits_cost_into_per_request_and_per_chunk() -> None:
     assert fit_cost(short, short) is None
 
 
+def test_first_streams_start_spread_over_one_stream_length() -> None:
+    assert staggered_offsets(6, 4, 1.0) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert staggered_offsets(3, 1, 1.0) == [None] * 3  # one stream: nothing to spread
+    assert staggered_offsets(3, 4, 0.0) == [None] * 3
+
+
 def test_core_busy_and_measured_phase_size() -> None:
     assert core_busy([(1.0, 10.0), (0.0, 10.0)], [(2.0, 12.0), (2.0, 12.0)]) == {0: 0.5, 1: 1.0}
     spec = LoadSpec(duration_s=10.0, min_requests=10, max_requests=1000)
@@ -307,13 +337,18 @@ def test_profile_aggregates_collapsed_stacks_by_function_and_package() -> None:
         f"run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:80);"
         f"loads ({site}orjson/__init__.py:3) 30",
         "run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:90) 10",
+        'process 7:"python -m gateway.cli up";run (/usr/lib/python3.11/asyncio/runners.py:1) 5',
         "not a stack line",
     ]
     profile = parse_collapsed(lines, root)
-    assert profile.num_samples == 40
+    assert profile.num_samples == 45
+    # A sample whose leaf is the loop was in C code it called: uvloop's I/O, httptools.
+    loop = next(name for name in profile.self_by_package if name.startswith("event loop"))
+    assert profile.self_by_function[loop] == 5
     assert profile.self_by_function["loads (orjson/__init__.py)"] == 30
     assert profile.self_by_function["events (gateway/relay.py)"] == 10
     assert profile.total_by_function["events (gateway/relay.py)"] == 40  # both lines, once each
-    assert profile.self_by_package == {"orjson": 30, "gateway": 10}
-    assert profile.top(profile.self_by_package, 1) == [("orjson", 30, 0.75)]
+    assert profile.self_by_package == {"orjson": 30, "gateway": 10, loop: 5}
+    assert profile.top(profile.self_by_package, 1) == [("orjson", 30, 30 / 45)]
     assert package_of("/usr/lib/python3.11/asyncio/base_events.py", root) == "stdlib:asyncio"
+    assert package_of("aiohttp/client.py", root) == "aiohttp"  # py-spy's short names
