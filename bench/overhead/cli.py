@@ -218,13 +218,18 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
         console.print(note)
     for name, paths in output.paths.items():
         console.print(f"serving paths counted by {name}'s /metrics (path/reason/outcome): {paths}")
+    where = (
+        f"server on core {SERVER_CORE}, fake engines + load generator on core {ENGINE_CORE}"
+        if output.pinned
+        else "no pinning (a real stack's workers count as others)"
+    )
     tables = [
         report.latency_table(output.results),
-        report.cpu_table(output.results, str(SERVER_CORE), str(ENGINE_CORE)),
+        report.cpu_table(output.results, where),
         report.versus_table(output.results, "tandem-2leg", "litellm"),
     ]
     if output.extra:
-        tables.append(report.cpu_table(output.extra, str(SERVER_CORE), str(ENGINE_CORE)))
+        tables.append(report.cpu_table(output.extra, where))
     if output.fits:
         chunks = next((r.chunks_per_request for r in output.results if r.target != "direct"), 34)
         how = "fit from 1-token and full-length runs at the same concurrency"

@@ -41,6 +41,8 @@ class Profile:
     total_by_function: Counter[str] = field(default_factory=Counter)
     """Samples with the function anywhere on the stack (counted once per sample)."""
     self_by_package: Counter[str] = field(default_factory=Counter)
+    total_by_package: Counter[str] = field(default_factory=Counter)
+    """Samples with the package anywhere on the stack (counted once per sample)."""
 
     def top(self, counts: Counter[str], n: int) -> list[tuple[str, int, float]]:
         """``(name, samples, share)`` of the ``n`` largest."""
@@ -53,6 +55,7 @@ class Profile:
             "self_by_function": self.top(self.self_by_function, n),
             "total_by_function": self.top(self.total_by_function, n),
             "self_by_package": self.top(self.self_by_package, n),
+            "total_by_package": self.top(self.total_by_package, n),
         }
 
 
@@ -62,12 +65,7 @@ def function_of(frame: str, root: str) -> tuple[str, str]:
     if match is None:
         return frame, "other"
     path = match["file"]
-    name = f"{match['func']} ({_short(path, root)})"
-    if name in _LOOP_FRAMES:
-        # The leaf is the loop itself: the sample was in C code the loop called directly
-        # (uvloop's socket I/O and callbacks, httptools' parser), below any Python frame.
-        return _EVENT_LOOP, _EVENT_LOOP
-    return name, package_of(path, root)
+    return f"{match['func']} ({_short(path, root)})", package_of(path, root)
 
 
 def _short(path: str, root: str) -> str:
@@ -111,10 +109,18 @@ def parse_collapsed(lines: Sequence[str], root: str) -> Profile:
             continue
         profile.num_samples += count
         leaf, package = frames[-1]
+        if leaf in _LOOP_FRAMES:
+            # The leaf is the loop itself: the sample was in C code the loop called directly
+            # (uvloop's socket I/O and callbacks, httptools' parser), below any Python frame.
+            leaf = package = _EVENT_LOOP
         profile.self_by_function[leaf] += count
         profile.self_by_package[package] += count
-        for name in {name for name, _ in frames}:
+        # The loop's own frames root every stack: as callers they say nothing.
+        callers = [(name, pkg) for name, pkg in frames[:-1] if name not in _LOOP_FRAMES]
+        for name in {leaf, *(name for name, _ in callers)}:
             profile.total_by_function[name] += count
+        for pkg in {package, *(pkg for _, pkg in callers)}:
+            profile.total_by_package[pkg] += count
     return profile
 
 

@@ -62,11 +62,10 @@ def latency_table(results: Sequence[LevelResult]) -> Table:
     return table
 
 
-def cpu_table(results: Sequence[LevelResult], server_core: str, engine_core: str) -> Table:
+def cpu_table(results: Sequence[LevelResult], where: str) -> Table:
     table = Table(
-        title=f"CPU of the server under test (core {server_core}) in the measured phase "
-        f"(ms/request, ms/chunk: net of its idle rate); engines + load generator on core "
-        f"{engine_core}; others = cores used by processes outside the benchmark"
+        title=f"CPU of the server under test in the measured phase (ms/request, ms/chunk: net "
+        f"of its idle rate); {where}; others = cores used by processes outside the benchmark"
     )
     for name in ("target", "conc", "server CPU s", "wall s", "server cores", "idle ms/s",
                  "gross ms/req", "ms/request", "ms/chunk", "chunks/req", "engine ms/req",
@@ -147,6 +146,7 @@ def profile_tables(profile: Profile, title: str, n: int = 20) -> list[Table]:
     tables = []
     for label, counts, rows in (
         ("self time by package", profile.self_by_package, 15),
+        ("inclusive time by package", _libraries(profile), 15),
         ("self time by function", profile.self_by_function, n),
         ("inclusive time, Tandem's own functions", _ours(profile), n),
     ):
@@ -161,6 +161,11 @@ def profile_tables(profile: Profile, title: str, n: int = 20) -> list[Table]:
 
 
 _OURS = ("gateway/", "admission/", "core/", "kv_transfer/", "moderation/", "workers/")
+_EVERY_STACK = ("gateway", "<frozen runpy>")  # the entry point (gateway/cli.py) is on all
+
+
+def _libraries(profile: Profile) -> Counter[str]:
+    return Counter({k: v for k, v in profile.total_by_package.items() if k not in _EVERY_STACK})
 
 
 def _ours(profile: Profile) -> Counter[str]:

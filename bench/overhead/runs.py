@@ -66,6 +66,8 @@ class FakeRunConfig:
 
 @dataclass(slots=True)
 class RunOutput:
+    pinned: bool = False
+    """Server on ``SERVER_CORE``, load generator and engines on ``ENGINE_CORE``."""
     results: list[LevelResult] = field(default_factory=list)
     extra: list[LevelResult] = field(default_factory=list)
     """Levels that are not part of the comparison: 1-token fits, the profiled run, the check."""
@@ -94,6 +96,7 @@ async def run_fake(config: FakeRunConfig, console: Console) -> RunOutput:
     engine_cores = usable_cores({ENGINE_CORE}) if config.pin else None
     if engine_cores is not None:
         os.sched_setaffinity(0, engine_cores)  # this process is the load generator
+    out.pinned = server_cores is not None and engine_cores is not None
     out.notes.append(
         f"pinning: server under test on core {SERVER_CORE}, load generator + fake engines on "
         f"core {ENGINE_CORE}"
@@ -255,8 +258,12 @@ async def run_real(
             models = (await client.get(engine_url.rstrip("/") + "/v1/models")).json()
             model = str(models["data"][0]["id"])
     server_cpu = (lambda: process_tree_cpu_times(pid)) if pid else None
-    if pid is None:
+    idle = None
+    if server_cpu is None:
         out.notes.append("gateway CPU not reported (no --pid)")
+    else:
+        idle = await idle_cpu_rate(server_cpu, 5.0)
+        console.print(f"  gateway idle CPU: {idle:.1f} ms/s (subtracted from per-request figures)")
     before = _paths_or_empty(gateway_url)
     for level in levels:
         for name, url, key, cpu in (
@@ -265,7 +272,9 @@ async def run_real(
         ):
             target = Target(base_url=url, model=model, api=Api.CHAT)
             tenant = TenantSpec(name="bench", api_key=key)
-            result = await run_level(name, target, tenant, level, spec, cpu, None)
+            result = await run_level(
+                name, target, tenant, level, spec, cpu, None, idle if cpu else None
+            )
             out.results.append(result)
             _say(console, result)
     after = _paths_or_empty(gateway_url)

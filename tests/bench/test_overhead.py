@@ -349,6 +349,8 @@ def test_profile_aggregates_collapsed_stacks_by_function_and_package() -> None:
     assert profile.self_by_function["events (gateway/relay.py)"] == 10
     assert profile.total_by_function["events (gateway/relay.py)"] == 40  # both lines, once each
     assert profile.self_by_package == {"orjson": 30, "gateway": 10, loop: 5}
+    assert profile.total_by_package["gateway"] == 40 and profile.total_by_package[loop] == 5
+    assert "stdlib:asyncio" not in profile.total_by_package  # only the loop's root frames
     assert profile.top(profile.self_by_package, 1) == [("orjson", 30, 30 / 45)]
     assert package_of("/usr/lib/python3.11/asyncio/base_events.py", root) == "stdlib:asyncio"
     assert package_of("aiohttp/client.py", root) == "aiohttp"  # py-spy's short names
