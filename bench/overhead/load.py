@@ -4,11 +4,14 @@ A level is a warm-up (``max(concurrency, 5)`` requests by default, its figures d
 measured phase whose size comes from the warm-up's throughput, so each level runs about
 ``duration_s`` whatever the target's speed. CPU readings bracket the measured phase only.
 
-The measured phase's first N streams start spread over one stream's length (the warm-up's
-median end-to-end time), then each next request goes out when a stream ends. Started together,
-N identical fake streams would stay phase-locked for the whole run: N requests arriving in the
-same millisecond once per stream length and N chunks per token tick, which measures a burst
-the server queues, not its steady state. ``LoadSpec.stagger=False`` keeps the burst.
+The measured phase is a paced closed loop: request k is due at ``k * L / (N * 1.1)`` (L: the
+warm-up's median end-to-end time, N: the concurrency), i.e. 10% faster than N streams of length
+L can turn over, and it goes out once it is due and one of the N slots is free. So arrivals are
+smooth and the N slots stay busy. Started together, N identical fake streams would stay
+phase-locked for the whole run: N requests arriving in the same millisecond once per stream
+length and N chunks per token tick, which measures a burst the server queues, not its steady
+state. (Spreading only the first N over L was tried: the slots freed before L then refilled all
+at once at L, the same burst later.) ``LoadSpec.stagger=False`` keeps the burst.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class LoadSpec:
     warmup_requests: int | None = None
     """None: ``max(concurrency, 5)``."""
     stagger: bool = True
-    """Spread the first streams' starts over one stream's length (see the module docstring)."""
+    """Pace the arrivals instead of starting all streams together (see the module docstring)."""
 
 
 def prompt_text(index: int, num_words: int) -> str:
@@ -88,12 +91,17 @@ def plan(
     ]
 
 
-def staggered_offsets(num_requests: int, concurrency: int, ramp_s: float) -> list[float | None]:
-    """Start offsets spreading the first ``concurrency`` requests evenly over ``ramp_s``; the
-    others are due at ``ramp_s`` and wait, in order, for a stream to end."""
-    if ramp_s <= 0 or concurrency <= 1:
+PACE_MARGIN = 1.1
+"""Arrivals are paced this much faster than the slots turn over, so the slots stay full."""
+
+
+def staggered_offsets(num_requests: int, concurrency: int, stream_s: float) -> list[float | None]:
+    """Due times pacing ``concurrency`` streams of ``stream_s`` each (see the module docstring):
+    every request is due ``stream_s / (concurrency * PACE_MARGIN)`` after the previous one."""
+    if stream_s <= 0 or concurrency <= 1:
         return [None] * num_requests
-    return [min(k, concurrency) * ramp_s / concurrency for k in range(num_requests)]
+    gap = stream_s / (concurrency * PACE_MARGIN)
+    return [k * gap for k in range(num_requests)]
 
 
 def size_of_measured_phase(
@@ -142,10 +150,17 @@ async def run_level(
     """Warm up, then measure ``concurrency`` streams against ``target``."""
     num_warmup = spec.warmup_requests or max(concurrency, 5)
     started = time.perf_counter()
-    await execute(target, plan(num_warmup, spec, tenant, warmup=True), max_concurrency=concurrency)
+    warmup = await execute(
+        target, plan(num_warmup, spec, tenant, warmup=True), max_concurrency=concurrency
+    )
     warmup_wall = time.perf_counter() - started
     num_measured = size_of_measured_phase(num_warmup, warmup_wall, concurrency, spec)
-    requests = plan(num_measured, spec, tenant, warmup=False, first_index=num_warmup)
+    lengths = sorted(r.e2e_s for r in warmup if r.ok and r.e2e_s is not None)
+    stream_s = lengths[len(lengths) // 2] if spec.stagger and lengths else 0.0
+    requests = plan(
+        num_measured, spec, tenant, warmup=False, first_index=num_warmup,
+        offsets=staggered_offsets(num_measured, concurrency, stream_s),
+    )  # fmt: skip
     cores0, wall0, generator0 = _core_times(), time.perf_counter(), _own_cpu_s()
     server0 = server_cpu() if server_cpu else None
     engine0 = engine_cpu() if engine_cpu else None

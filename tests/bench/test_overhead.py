@@ -5,6 +5,7 @@ right from given records and CPU readings."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -137,6 +138,19 @@ async def test_the_harness_accepts_the_fakes_streams(fake: tuple[FakeVllm, str])
     assert all(r.completion_tokens == 3 and r.finish_reason == "length" for r in records)
     assert count_chunks(records) == 6 * 4  # role chunk + 3 tokens each
     assert engine.stats.running == 0 and engine.stats.streams == 6
+
+
+async def test_a_level_paces_its_measured_requests(fake: tuple[FakeVllm, str]) -> None:
+    _, url = fake
+    target = Target(base_url=url, model=MODEL, api=Api.CHAT)
+    spec = LoadSpec(prompt_words=5, num_tokens=3, min_requests=6, max_requests=6)
+    paced = await run_level("direct", target, TenantSpec("t"), 3, spec, None, None)
+    assert (paced.summary.sent, paced.summary.failed, paced.num_warmup) == (6, 0, 5)
+    assert paced.summary.metrics["schedule_lag"] is not None  # requests had due times
+    burst = await run_level(
+        "direct", target, TenantSpec("t"), 3, dataclasses.replace(spec, stagger=False), None, None
+    )
+    assert burst.summary.metrics["schedule_lag"] is None  # a plain closed loop
 
 
 async def test_prefill_leg_answers_a_usable_transfer_handle(fake: tuple[FakeVllm, str]) -> None:
@@ -315,9 +329,10 @@ def test_fit_splits_cost_into_per_request_and_per_chunk() -> None:
     assert fit_cost(short, short) is None
 
 
-def test_first_streams_start_spread_over_one_stream_length() -> None:
-    assert staggered_offsets(6, 4, 1.0) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
-    assert staggered_offsets(3, 1, 1.0) == [None] * 3  # one stream: nothing to spread
+def test_arrivals_are_paced_a_little_faster_than_the_slots_turn_over() -> None:
+    # 4 slots of 1.1 s streams turn over every 0.275 s; arrivals come every 0.25 s.
+    assert staggered_offsets(6, 4, 1.1) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.25])
+    assert staggered_offsets(3, 1, 1.0) == [None] * 3  # one stream: a plain closed loop
     assert staggered_offsets(3, 4, 0.0) == [None] * 3
 
 
