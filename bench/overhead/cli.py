@@ -1,6 +1,6 @@
 """``python -m bench.overhead``: what the gateway adds, isolated with a fast fake engine.
 
-    python -m bench.overhead                       # 1, 64, 512 streams, all targets: ~8 min
+    python -m bench.overhead                       # 1, 64, 512 streams, all targets: ~6 min
     python -m bench.overhead --profile gateway.svg --out-json overhead.json
     python -m bench.overhead --real-gateway http://127.0.0.1:8000 \\
         --real-engine http://127.0.0.1:8200 --api-key tdm-... --pid 1234 --concurrency 1,4
