@@ -118,12 +118,12 @@ async def require_admin(
     await admin.check(authorization)
 
 
-def get_registry(http_request: HttpRequest) -> TenantRegistry:
+async def get_registry(http_request: HttpRequest) -> TenantRegistry:
     registry: TenantRegistry = http_request.app.state.registry
     return registry
 
 
-def get_moderator(http_request: HttpRequest) -> Moderator:
+async def get_moderator(http_request: HttpRequest) -> Moderator:
     """The gateway's moderation providers, which a tenant's policy may name."""
     moderator: Moderator = http_request.app.state.moderator
     return moderator
@@ -132,7 +132,7 @@ def get_moderator(http_request: HttpRequest) -> Moderator:
 ModeratorDep = Annotated[Moderator, Depends(get_moderator)]
 
 
-def get_controller(http_request: HttpRequest) -> AdmissionController:
+async def get_controller(http_request: HttpRequest) -> AdmissionController:
     controller: AdmissionController = http_request.app.state.admission
     return controller
 

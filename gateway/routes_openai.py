@@ -48,7 +48,8 @@ class OpenAIServices:
     ping_interval_s: float
 
 
-def get_services(http_request: HttpRequest) -> OpenAIServices:
+async def get_services(http_request: HttpRequest) -> OpenAIServices:
+    # async: FastAPI runs a plain `def` dependency in a thread pool, ~0.2 ms of CPU per request.
     services: OpenAIServices = http_request.app.state.openai
     return services
 

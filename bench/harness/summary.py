@@ -1,7 +1,8 @@
 """Figures of a run from its records: latency distributions, throughput, goodput, errors.
 
 Warm-up records are excluded. Throughput divides by the measured duration: from the start of
-the measured phase's schedule to its last answer (as vLLM's ``bench serve`` does). Goodput counts completed requests meeting every SLO given:
+the measured phase's schedule to its last answer (as vLLM's ``bench serve`` does). Goodput
+counts completed requests meeting every SLO given:
 
 - ``ttft``: the request's TTFT (vLLM's, first chunk);
 - ``tpot``: its TPOT (vLLM's; 0 under two tokens, as in vLLM);
