@@ -73,12 +73,13 @@ class Server:
             return "(no log)"
 
 
-def process_tree_cpu_times(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of ``pid`` and its live descendants (0 for gone ones)."""
+def process_tree_cpu_times(pid: int, *, children: bool = True) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` and (unless ``children`` is false) its live
+    descendants (0 for gone ones)."""
     user = system = 0.0
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        processes = [root, *(root.children(recursive=True) if children else ())]
     except psutil.NoSuchProcess:
         return 0.0, 0.0
     for process in processes:

@@ -257,7 +257,8 @@ async def run_real(
         async with httpx.AsyncClient(timeout=10) as client:
             models = (await client.get(engine_url.rstrip("/") + "/v1/models")).json()
             model = str(models["data"][0]["id"])
-    server_cpu = (lambda: process_tree_cpu_times(pid)) if pid else None
+    # The gateway's own process only: `tandem up`'s children are its vLLM workers.
+    server_cpu = (lambda: process_tree_cpu_times(pid, children=False)) if pid else None
     idle = None
     if server_cpu is None:
         out.notes.append("gateway CPU not reported (no --pid)")
