@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.harness.arrivals import Arrival, LoadShape
+from bench.harness.client import served_model
 from bench.harness.compare import compare_files
 from bench.harness.dataset import (
     DatasetError,
@@ -166,13 +167,9 @@ def _tenants(args: argparse.Namespace) -> tuple[TenantSpec, ...]:
         raise ValueError(f"--tenants {args.tenants}: tenant names must be unique: {names}")
     default_key = getattr(args, "api_key", None)
     return tuple(
-        t if t.api_key or not default_key else TenantSpec(**{**_fields(t), "api_key": default_key})
+        t if t.api_key or not default_key else dataclasses.replace(t, api_key=default_key)
         for t in tenants
     )
-
-
-def _fields(tenant: TenantSpec) -> dict[str, Any]:
-    return {name: getattr(tenant, name) for name in tenant.__slots__}
 
 
 def _dataset(args: argparse.Namespace) -> DatasetSpec:
@@ -205,26 +202,10 @@ def _shape(args: argparse.Namespace) -> LoadShape:
     )
 
 
-async def _served_model(base_url: str, api_key: str | None) -> str:
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as resp:
-            body = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise ValueError(f"GET {url} answered {resp.status}: {body}")
-    except aiohttp.ClientError as exc:
-        raise ValueError(f"cannot reach {url}: {exc}") from exc
-    models = body.get("data") or []
-    if not models:
-        raise ValueError(f"{url} lists no model: pass --model")
-    return str(models[0]["id"])
-
-
 async def _run(args: argparse.Namespace) -> int:
     tenants = _tenants(args)
     key = next((t.api_key for t in tenants if t.api_key), None)
-    model = args.model or await _served_model(args.base_url, key)
+    model = args.model or await served_model(args.base_url, key)
     config = RunConfig(
         target=Target(
             base_url=args.base_url,

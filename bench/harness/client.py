@@ -29,6 +29,23 @@ TokenCount = Callable[[str], int]
 SSE_FIELDS = (b"data", b"event", b"id", b"retry")
 
 
+async def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model ``GET /v1/models`` lists; a ValueError that says what to do otherwise."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as resp:
+            body = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise ValueError(f"GET {url} answered {resp.status}: {body}")
+    except aiohttp.ClientError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from exc
+    models = body.get("data") or []
+    if not models:
+        raise ValueError(f"{url} lists no model: pass --model")
+    return str(models[0]["id"])
+
+
 def request_body(target: Target, planned: PlannedRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": target.model,

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from bench.harness.client import served_model
 from bench.harness.workload import Api, Target, TenantSpec
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.load import CpuReader, LoadSpec, idle_cpu_rate, run_level
@@ -254,9 +255,7 @@ async def run_real(
     out = RunOutput()
     out.notes.append("real stack: no pinning; engine CPU not measured")
     if model is None:
-        async with httpx.AsyncClient(timeout=10) as client:
-            models = (await client.get(engine_url.rstrip("/") + "/v1/models")).json()
-            model = str(models["data"][0]["id"])
+        model = await served_model(engine_url)
     # The gateway's own process only: `tandem up`'s children are its vLLM workers.
     server_cpu = (lambda: process_tree_cpu_times(pid, children=False)) if pid else None
     idle = None
