@@ -4,10 +4,14 @@ until a test asks for it)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.redis_server import running_redis
+
+if TYPE_CHECKING:
+    from tests.postgres_server import PostgresServer
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +19,18 @@ def redis_url() -> Iterator[str]:
     """A real ``redis-server`` shared by the session; tests keep apart by key prefix."""
     with running_redis() as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server shared by the session; tests keep apart by database
+    (``postgres_server.create_database(name)``). A test that calls ``stop()`` must ``start()``
+    it again. Fails (never skips) when PostgreSQL is not installed: run ``scripts/install --dev``.
+    """
+    from tests.postgres_server import running_postgres  # imports psycopg: only when asked for
+
+    with running_postgres() as server:
+        yield server
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
