@@ -60,7 +60,7 @@ def parse_price(value: object, field: str) -> Decimal:
         raise PriceError(f'{field} must be a decimal string such as "0.00015"') from exc
     if not price.is_finite() or price < 0 or price > _MAX_PRICE:
         raise PriceError(f"{field} must be between 0 and {_MAX_PRICE} per 1k tokens")
-    return price.normalize() if price else Decimal(0)
+    return price
 
 
 class PriceBook:

@@ -200,8 +200,8 @@ class SqlLedgerStore(abc.ABC):
             "output_per_1k, cached_input_per_1k, currency) VALUES (?, ?, ?, ?, ?, ?)"
         )
         values = (
-            card.model_version, card.effective_from_us, str(card.input_per_1k),
-            str(card.output_per_1k), str(card.cached_input_per_1k), card.currency,
+            card.model_version, card.effective_from_us, format(card.input_per_1k, "f"),
+            format(card.output_per_1k, "f"), format(card.cached_input_per_1k, "f"), card.currency,
         )  # fmt: skip
         with self._cursor(transaction=True) as cursor:
             cursor.execute(self._sql(statement), values)

@@ -17,6 +17,7 @@ renders them in one handler; a stream that already started carries them as one `
     ├── IdempotencyMismatchError     422 code=idempotency_key_reused (same key, other body)
     ├── RateLimitError               429 code=rate_limit_exceeded, retry-after
     │   └── QuotaExhaustedError          429 code=insufficient_quota, x-should-retry: false
+    │       └── BudgetExhaustedError         the tenant's monthly budget is spent
     ├── OverloadedError              503 code=overloaded, retry-after (admission shed the request)
     ├── NoHealthyWorkerError         503 code=no_healthy_worker, retry-after
     ├── ClientDisconnectedError      499 (client left while queued: for logs and counters)
@@ -169,6 +170,11 @@ class QuotaExhaustedError(RateLimitError):
 
     error_type = "insufficient_quota"
     default_code = "insufficient_quota"
+
+
+class BudgetExhaustedError(QuotaExhaustedError):
+    """The tenant's monthly spend reached its budget: nothing is admitted until the month
+    turns or an administrator raises it."""
 
 
 class OverloadedError(TandemError):

@@ -52,6 +52,11 @@ class Request:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     tenant_id: str | None = None
+    key_id: str | None = None
+    """The API key the request came with (None for the anonymous tenant)."""
+    record_id: str | None = None
+    """The ledger's key for this request when it is not the request id: the same for every
+    run of an idempotent request, so it is billed once."""
     queue_wait_s: float | None = None
     """Time spent waiting for admission in the fair queue."""
     num_streamed_tokens: int = 0

@@ -18,6 +18,8 @@ from admission.admitter import AdmissionConfig, Admitter
 from admission.controller import AdmissionController, ControllerConfig
 from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
+from billing.metrics import BillingCollector
+from billing.service import Billing, BillingConfig
 from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
 from gateway.content_policy import ContentPolicy, ModerationSetup, build_moderator
@@ -90,6 +92,8 @@ class GatewayConfig:
     """Moderation providers and the default policy."""
     idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
     """Retention of idempotent answers."""
+    billing: BillingConfig | None = None
+    """The usage ledger, budgets and exports; None switches billing off."""
 
 
 def create_app(
@@ -146,6 +150,15 @@ def create_app(
             controller = AdmissionController(
                 stores.quotas, admitter, access.controller, metrics.observe_store_error
             )
+            billing = None
+            if config.billing is not None:
+                billing = Billing(config.billing)
+                await billing.start()
+                # Closed after the idempotent runs (pushed first): runs still going record.
+                resources.push_async_callback(billing.aclose)
+                billing_metrics = BillingCollector(billing)
+                metrics.registry.register(billing_metrics)
+                resources.callback(metrics.registry.unregister, billing_metrics)
             counter = await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir)
             moderator = await asyncio.to_thread(build_moderator, config.moderation)
             await moderator.start()
@@ -155,13 +168,22 @@ def create_app(
             resources.push_async_callback(idempotency.aclose)
             app.state.openai = OpenAIServices(
                 pipeline=ServingPipeline(engine, prefill, decode, models, config.decider, metrics),
-                gate=Gate(access.gate, authenticator, controller, counter, metrics),
+                gate=Gate(
+                    access.gate,
+                    authenticator,
+                    controller,
+                    counter,
+                    metrics,
+                    check_budget=billing.check_budget if billing is not None else None,
+                ),
                 content=ContentPolicy(moderator, config.moderation.default_policy, metrics),
                 idempotency=idempotency,
                 metrics=metrics,
                 deadlines=config.deadlines,
                 ping_interval_s=config.sse_ping_interval_s,
+                billing=billing,
             )
+            app.state.billing = billing
             app.state.moderator = moderator
             app.state.registry = stores.registry
             app.state.admission = controller

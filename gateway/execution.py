@@ -14,7 +14,6 @@ advances: the request id at once, ``x-ratelimit-*`` when the quota is reserved,
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +27,7 @@ from gateway.gate import ClientGone, Gate, unless_client_leaves
 from gateway.output_filter import CONTENT_FILTER, OutputFilter
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.relay import RelayHooks, RelayStream
+from gateway.usage_records import UsageRecorder
 
 
 class Execution:
@@ -45,9 +45,11 @@ class Execution:
         client_gone: ClientGone | None,
         output_filter: OutputFilter | None = None,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
+        recorder: UsageRecorder | None = None,
     ) -> None:
         """``client_gone`` lets a hang-up stop the request (leave the queue, cancel a
-        non-streaming engine call); ``None`` runs it to the end whatever the client does."""
+        non-streaming engine call); ``None`` runs it to the end whatever the client does.
+        ``recorder`` bills the request once its quota is settled."""
         self.request = request
         self.headers: dict[str, str] = {"x-request-id": request.request_id}
         self._gate = gate
@@ -58,6 +60,9 @@ class Execution:
         self._model = model
         self._client_gone = client_gone
         self._output_filter = output_filter
+        self._recorder = recorder
+        if recorder is not None:
+            on_chunk = _both(on_chunk, recorder.on_chunk)
         self._on_chunk = on_chunk
         self._admission: Admission | None = None
         self._relay: RelayStream | None = None
@@ -69,7 +74,7 @@ class Execution:
             admission = await self._admit()
             hooks = RelayHooks(
                 on_output=admission.charge_output,
-                before_last_event=functools.partial(self._gate.settle, admission, self.request),
+                before_last_event=self._settle,
                 output_filter=self._output_filter,
                 on_chunk=self._on_chunk,
             )
@@ -108,6 +113,8 @@ class Execution:
                     await self._output_filter.filter_response(result)
                     if self._output_filter.blocked:
                         self.request.finish_reason = CONTENT_FILTER
+                if self._recorder is not None:
+                    self._recorder.on_result(result)
                 return result
         finally:
             await self.aclose()
@@ -116,8 +123,15 @@ class Execution:
         """Idempotent: drop the engine stream and settle whatever was admitted."""
         if self._relay is not None:
             await self._relay.aclose()
-        if self._admission is not None:
-            await self._gate.settle(self._admission, self.request)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """Settle the quota, then bill (each exactly once, whoever calls first)."""
+        if self._admission is None:
+            return
+        await self._gate.settle(self._admission, self.request)
+        if self._recorder is not None:
+            self._recorder.record()
 
     async def _admit(self) -> Admission:
         self._admission = await self._gate.admit(
@@ -137,3 +151,16 @@ class Execution:
         except TandemError as exc:
             exc.extra_headers = {**self.headers, **exc.extra_headers}
             raise
+
+
+def _both(
+    first: Callable[[dict[str, Any]], None] | None, second: Callable[[dict[str, Any]], None]
+) -> Callable[[dict[str, Any]], None]:
+    if first is None:
+        return second
+
+    def call(chunk: dict[str, Any]) -> None:
+        first(chunk)
+        second(chunk)
+
+    return call

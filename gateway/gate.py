@@ -60,8 +60,11 @@ class Gate:
         controller: AdmissionController,
         counter: TokenCounter,
         metrics: GatewayMetrics,
+        check_budget: Callable[[str], None] | None = None,
     ) -> None:
+        """``check_budget`` raises for a tenant whose monthly budget is spent."""
         self._config = config
+        self._check_budget = check_budget
         self.authenticator = authenticator
         self._controller = controller
         self._counter = counter
@@ -92,6 +95,12 @@ class Gate:
         before admission gives everything back and raises ``ClientDisconnectedError``.
         ``on_reserved`` gets the rate-limit headers as soon as the quota is reserved (a stream
         that starts while still queued sends them)."""
+        if self._check_budget is not None:
+            try:
+                self._check_budget(caller.tenant.tenant_id)
+            except TandemError as exc:
+                self._metrics.observe_rejection(exc.code)
+                raise
         cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens)
         estimate = await estimate_tokens(endpoint, body, self._counter, max_model_len)
         deadline = time.monotonic() + self._config.queue_timeout_s

@@ -52,6 +52,11 @@ class ServedModel:
     name: str
     max_model_len: int | None
     created: int
+    version: str | None = None
+    """The exact weights served (price cards and measured cost are keyed by it); None: the
+    name."""
+    deployment: str = "default"
+    """The deployment serving it (a rollout arm, in time)."""
 
 
 class ServingPipeline:

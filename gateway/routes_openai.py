@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from admission.idempotency import HEADER as IDEMPOTENCY_HEADER
 from admission.idempotency import StoredResponse, fingerprint, parse_idempotency_key
+from billing.records import idempotent_record_id
+from billing.service import Billing
 from core.errors import InvalidRequestError, TandemError
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
@@ -30,6 +32,7 @@ from gateway.pipeline import ServingPipeline
 from gateway.replay import StreamAssembler
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import StreamSource, serve_stream
+from gateway.usage_records import UsageRecorder
 from moderation.openai_shape import moderation_response, parse_moderation_input
 
 router = APIRouter()
@@ -46,6 +49,8 @@ class OpenAIServices:
     metrics: GatewayMetrics
     deadlines: DeadlineConfig
     ping_interval_s: float
+    billing: Billing | None = None
+    """The usage ledger; None when billing is switched off."""
 
 
 async def get_services(http_request: HttpRequest) -> OpenAIServices:
@@ -123,6 +128,7 @@ async def _serve(
         model=model.name,
         stream=bool(body.get("stream")),
         tenant_id=caller.tenant.tenant_id,
+        key_id=caller.key.key_id if caller.key is not None else None,
         deadline=request_deadline(
             headers.get(TIMEOUT_HEADER), services.deadlines.default_s, services.deadlines.max_s
         ),
@@ -140,6 +146,10 @@ async def _serve(
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return replay_response(outcome, endpoint, request.stream, include_usage)
         claim = outcome
+        # Every run of this key is one ledger record: a re-run after a restart is not billed twice.
+        request.record_id = idempotent_record_id(
+            caller.tenant.tenant_id, endpoint.value, idempotency_key
+        )
     try:
         services.pipeline.check_decode_available()
     except TandemError:
@@ -148,11 +158,15 @@ async def _serve(
         raise
     # An idempotent request runs to the end whatever its client does: its retry gets it.
     assembler = StreamAssembler(endpoint) if claim is not None and request.stream else None
+    recorder = None
+    if services.billing is not None:
+        recorder = UsageRecorder(services.billing, request, endpoint, model, body)
     execution = Execution(
         services.gate, services.pipeline, caller, endpoint, body, request, model,
         client_gone=None if claim is not None else _client_gone(http_request),
         output_filter=services.content.output_filter(endpoint, request, policy),
         on_chunk=assembler.add if assembler is not None else None,
+        recorder=recorder,
     )  # fmt: skip
     if request.stream:
         source: StreamSource = execution

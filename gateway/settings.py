@@ -124,6 +124,22 @@ class TandemSettings(BaseSettings):
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
 
+    billing: bool = True
+    """Keep the usage ledger (records, budgets, exports); ``false`` switches billing off."""
+    billing_database_url: SecretStr | None = None
+    """PostgreSQL for a ledger shared by several gateways (``postgresql://user:pw@host/db``);
+    unset = the embedded default, ``state_dir/ledger.db`` (SQLite, WAL)."""
+    billing_currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
+    """ISO 4217 code of costs, budgets and prices."""
+    billing_refresh_interval_s: float = Field(5.0, gt=0)
+    """How often spend, prices and budgets are re-read from the ledger: another gateway's spend
+    counts against a shared budget here within about this long."""
+    deployment: str = Field("default", min_length=1)
+    """Name of this deployment (a rollout arm); ledger records and measured cost carry it."""
+    model_version: str | None = None
+    """The exact model version served (price cards are keyed by it); unset = the prepared
+    model's folder name (name + content hash), or the served model name for external workers."""
+
     idempotency_retention_s: float = Field(24 * 3600.0, gt=0)
     """How long the answer to a request with an ``Idempotency-Key`` is kept for its retries."""
     moderation_rules: Path | None = None

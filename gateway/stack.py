@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from admission.controller import ControllerConfig, StoreFailurePolicy
+from billing.service import BillingConfig
 from core.messages import WorkerRole
 from core.moderation import ModerationPolicy
 from decode_pool import DecodePool, decode_worker_specs
@@ -143,11 +144,12 @@ class Stack:
                 settings.decode_urls,
             )
         )
+        version = settings.model_version or (prepared.path.name if prepared else name)
         return cls(
             settings,
             prefill,
             decode,
-            ServedModel(name, max_len, int(time.time())),
+            ServedModel(name, max_len, int(time.time()), version, settings.deployment),
             prepared.path if prepared else None,
         )
 
@@ -188,6 +190,7 @@ class Stack:
             access=access_config(settings, self.model_dir),
             moderation=moderation_setup(settings),
             idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),
+            billing=billing_config(settings),
         )
         return create_app(config, self.prefill, self.decode, [self.model])
 
@@ -240,4 +243,18 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         kv_usage_watermark=settings.kv_usage_watermark,
         gate=GateConfig(queue_timeout_s=settings.queue_timeout_s),
         tokenizer_dir=model_dir,
+    )
+
+
+def billing_config(settings: TandemSettings) -> BillingConfig | None:
+    """The ledger as the settings ask (None when billing is off)."""
+    if not settings.billing:
+        return None
+    url = settings.billing_database_url
+    return BillingConfig(
+        sqlite_path=settings.state_dir / "ledger.db",
+        spool_dir=settings.state_dir / "ledger-spool",
+        database_url=url.get_secret_value() if url is not None else None,
+        currency=settings.billing_currency,
+        refresh_interval_s=settings.billing_refresh_interval_s,
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from moderation.pii import find_pii
+
 
 @dataclass(frozen=True, slots=True)
 class Redaction:
@@ -46,3 +48,9 @@ def apply(text: str, redactions: Iterable[Redaction]) -> str:
         pos = red.end
     parts.append(text[pos:])
     return "".join(parts)
+
+
+def scrub_pii(text: str) -> str:
+    """``text`` with every PII detector's validated matches replaced by their markers (what a
+    kept request log stores)."""
+    return apply(text, (Redaction(m.start, m.end, m.detector) for m in find_pii(text)))

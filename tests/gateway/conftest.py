@@ -22,6 +22,7 @@ import openai
 import pytest
 import uvicorn
 
+from billing.service import BillingConfig
 from core.messages import WorkerRole
 from gateway.app import AccessConfig, GatewayConfig, create_app
 from gateway.pipeline import ServedModel
@@ -139,6 +140,13 @@ async def make_fake_stack(
         access=access
         or AccessConfig(
             admin_key=ADMIN_KEY, stores=StoreConfig(sqlite_path=state_dir / "tandem.db")
+        ),
+        # Billing is on in every gateway test: each request there also goes through the ledger.
+        billing=BillingConfig(
+            sqlite_path=state_dir / "ledger.db",
+            spool_dir=state_dir / "ledger-spool",
+            refresh_interval_s=0.2,
+            flush_interval_s=0.05,
         ),
     )
     config = dataclasses.replace(config, **(gateway or {}))

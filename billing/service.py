@@ -1,0 +1,299 @@
+"""``Billing``: the one object the gateway holds for everything money.
+
+record(record)            price it (the card in effect when it ended), count it against the
+                          tenant's budget and the cost meter, hand it to the writer
+check_budget(tenant)      at admission: 429 insufficient_quota once this month's budget is spent
+refresher (task)          every ``refresh_interval_s``: flush, re-read spend, prices and
+                          settings (other gateways' changes), store and announce new alerts,
+                          delete request-log entries past their retention
+admin side                price cards, account settings, budget status, alerts, usage pages
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from billing.budgets import BudgetGuard, BudgetStatus
+from billing.cost import CostMeter
+from billing.prices import PriceBook, PriceCard, PriceError
+from billing.records import UsageRecord, from_unix_us
+from billing.sql_store import open_store
+from billing.store import (
+    AccountSettings,
+    BudgetAlert,
+    Cursor,
+    LedgerStore,
+    LedgerUnavailableError,
+    RequestLogEntry,
+    UsageQuery,
+)
+from billing.summaries import month_of
+from billing.writer import LedgerWriter, WriterConfig
+from core.errors import BudgetExhaustedError
+
+log = logging.getLogger("tandem.billing")
+
+PAGE_SIZE = 2000
+
+
+def now_us() -> int:
+    """Wall-clock Unix microseconds."""
+    return time.time_ns() // 1000
+
+
+def month_key(at_us: int) -> str:
+    """``YYYY-MM`` (UTC) of a time."""
+    return from_unix_us(at_us).strftime("%Y-%m")
+
+
+@dataclass(frozen=True, slots=True)
+class BillingConfig:
+    """Where the ledger lives and how often gateways re-read it."""
+
+    sqlite_path: Path
+    """The embedded ledger (SQLite, WAL) when ``database_url`` is unset."""
+    spool_dir: Path
+    """Where records wait on disk until the database has them."""
+    database_url: str | None = None
+    """``postgresql://...`` for a ledger shared by several gateways."""
+    currency: str = "USD"
+    """The currency of costs, budgets and price cards."""
+    refresh_interval_s: float = 5.0
+    """How often spend, prices and settings are re-read (other gateways' changes)."""
+    purge_interval_s: float = 3600.0
+    """How often request-log entries past their retention are deleted."""
+    flush_interval_s: float = 0.2
+    """Longest time a record waits in memory before it is written."""
+
+
+@dataclass(slots=True)
+class AlertStats:
+    """Alerts this gateway announced, by threshold (for ``/metrics``)."""
+
+    fired: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+
+
+class Billing:
+    """Owns the ledger writer and the refresher; used on the event loop only."""
+
+    def __init__(
+        self,
+        config: BillingConfig,
+        store: LedgerStore | None = None,
+        cost_meter: CostMeter | None = None,
+        clock_us: Callable[[], int] = now_us,
+    ) -> None:
+        self.config = config
+        self.store = store or open_store(config.database_url, config.sqlite_path)
+        self.writer = LedgerWriter(
+            self.store,
+            WriterConfig(spool_dir=config.spool_dir, flush_interval_s=config.flush_interval_s),
+        )
+        self.cost_meter = cost_meter
+        self._clock_us = clock_us
+        self.prices = PriceBook()
+        self.budgets = BudgetGuard(month_key(clock_us()))
+        self.alert_stats = AlertStats()
+        self._unannounced: list[BudgetAlert] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_purge = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the writer (schema, spool replay) and read prices, settings and spend."""
+        await self.writer.start()
+        with contextlib.suppress(LedgerUnavailableError):
+            await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="billing-refresher")
+
+    async def aclose(self) -> None:
+        """Stop refreshing, then write (or spool) every record."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(LedgerUnavailableError):
+            await self._announce_alerts()
+        await self.writer.aclose()
+
+    # -- the request path ------------------------------------------------------------------
+
+    def check_budget(self, tenant_id: str) -> None:
+        """Refuse a tenant whose budget for this month is spent (429, not to be retried)."""
+        self._roll_month()
+        status = self.budgets.status(tenant_id)
+        if status.exhausted and status.budget_micros is not None:
+            raise BudgetExhaustedError(
+                f"You exceeded your monthly budget ({_money(status.budget_micros)} "
+                f"{self.config.currency}, spent {_money(status.spend_micros)}) for "
+                f"{status.month}. It renews at the start of next month (UTC); ask your "
+                "administrator to raise it.",
+                should_retry=False,
+            )
+
+    def request_log_retention_s(self, tenant_id: str) -> int | None:
+        """How long this tenant's prompts and outputs are kept; None: not kept."""
+        account = self.budgets.account(tenant_id)
+        return account.request_log_retention_s if account.request_log else None
+
+    def record(
+        self, record: UsageRecord, prompt_output: tuple[str, str] | None = None
+    ) -> UsageRecord:
+        """Price and keep one request's record (with its scrubbed prompt and output for a
+        tenant that keeps a request log). Never blocks and never raises on the database."""
+        card = self.prices.card_for(record.model_version, record.finished_at_us)
+        if card is not None:
+            cost = card.cost_micros(
+                record.prompt_tokens, record.completion_tokens, record.cached_tokens
+            )
+            record = dataclasses.replace(
+                record,
+                cost_micros=cost,
+                price_effective_from_us=card.effective_from_us,
+                currency=card.currency,
+            )
+        else:
+            record = dataclasses.replace(
+                record, cost_micros=0, price_effective_from_us=None, currency=self.config.currency
+            )
+        entry = None
+        retention_s = self.request_log_retention_s(record.tenant_id)
+        if prompt_output is not None and retention_s is not None:
+            entry = RequestLogEntry(
+                record.record_id, record.request_id, record.tenant_id, record.finished_at_us,
+                record.finished_at_us + retention_s * 1_000_000, *prompt_output,
+            )  # fmt: skip
+        self.writer.submit(record, entry)
+        alerts = self.budgets.add(
+            record.tenant_id, month_key(record.finished_at_us), record.cost_micros
+        )
+        if alerts:
+            self._unannounced.extend(alerts)
+            self._wake.set()
+        if self.cost_meter is not None:
+            self.cost_meter.observe_tokens(
+                record.deployment, record.model_version, record.total_tokens, record.cost_micros
+            )
+        return record
+
+    # -- admin -----------------------------------------------------------------------------
+
+    async def add_price_card(self, card: PriceCard) -> None:
+        """Store a card that takes effect now or later (never in the past: billed records
+        keep the prices they were billed at)."""
+        now = self._clock_us()
+        if card.effective_from_us < now - 60_000_000:
+            raise PriceError(
+                "effective_from is in the past: records already billed keep their prices. "
+                "Omit it to take effect now, or give a later time."
+            )
+        await self.writer.run(self.store.add_price_card, card)
+        self.prices = PriceBook([*self.prices.cards(), card])
+
+    async def put_account(self, settings: AccountSettings) -> None:
+        """Create or replace a tenant's budget and request-log settings."""
+        await self.writer.run(self.store.put_account, settings, self._clock_us())
+        self.budgets.put_account(settings)
+
+    def budget_status(self, tenant_id: str) -> BudgetStatus:
+        self._roll_month()
+        return self.budgets.status(tenant_id)
+
+    def budget_statuses(self) -> list[BudgetStatus]:
+        self._roll_month()
+        return [self.budgets.status(tenant) for tenant in self.budgets.tenants()]
+
+    async def alerts(self, tenant_id: str | None, since_us: int) -> list[BudgetAlert]:
+        return await self.writer.run(self.store.alerts, tenant_id, since_us)
+
+    async def usage(self, query: UsageQuery) -> AsyncIterator[list[UsageRecord]]:
+        """The records of ``query`` page by page, ordered by (finished_at, record_id). What was
+        recorded before the call is flushed first, so an export sees it."""
+        await self.writer.flush()
+        after: Cursor | None = None
+        while True:
+            page = await asyncio.to_thread(self.store.usage_page, query, after, PAGE_SIZE)
+            if page:
+                yield page
+            if len(page) < PAGE_SIZE:
+                return
+            last = page[-1]
+            after = Cursor(last.finished_at_us, last.record_id)
+
+    async def request_log(
+        self, tenant_id: str, start_us: int, end_us: int, limit: int
+    ) -> list[RequestLogEntry]:
+        await self.writer.flush()
+        return await asyncio.to_thread(self.store.request_log, tenant_id, start_us, end_us, limit)
+
+    # -- the refresher ---------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Write what is pending, then read spend, prices, settings and fired alerts."""
+        self._roll_month()
+        month = self.budgets.month
+        generation = self.budgets.begin_refresh()
+        if not await self.writer.flush():
+            raise LedgerUnavailableError("the ledger database is down; records are spooled")
+        period = month_of(self._clock_us())
+        spend = await self.writer.run(self.store.spend_by_tenant, period.start_us, period.end_us)
+        fired = await self.writer.run(self.store.alerts, None, period.start_us)
+        self.budgets.complete_refresh(generation, month, spend, fired)
+        self.budgets.set_accounts(await self.writer.run(self.store.accounts))
+        self.prices = PriceBook(await self.writer.run(self.store.price_cards))
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.refresh_interval_s)
+            self._wake.clear()
+            try:
+                await self._announce_alerts()
+                await self.refresh()
+                await self._purge_request_log()
+            except LedgerUnavailableError as exc:
+                log.debug("billing refresh skipped: %s", exc)
+
+    async def _announce_alerts(self) -> None:
+        """Store each new alert; announce the ones no other gateway stored first."""
+        while self._unannounced:
+            alert = dataclasses.replace(self._unannounced[0], fired_at_us=self._clock_us())
+            is_new = await self.writer.run(self.store.add_alert, alert)
+            self._unannounced.pop(0)
+            if is_new:
+                key = (alert.tenant_id, alert.threshold_pct)
+                self.alert_stats.fired[key] = self.alert_stats.fired.get(key, 0) + 1
+                log.warning(
+                    "budget alert: tenant %s reached %d%% of its %s budget (%s of %s %s)",
+                    alert.tenant_id, alert.threshold_pct, alert.month,
+                    _money(alert.spend_micros), _money(alert.budget_micros), self.config.currency,
+                )  # fmt: skip
+
+    async def _purge_request_log(self) -> None:
+        if time.monotonic() - self._last_purge < self.config.purge_interval_s:
+            return
+        num_deleted = await self.writer.run(self.store.purge_request_log, self._clock_us())
+        self._last_purge = time.monotonic()
+        if num_deleted:
+            log.info("request log: deleted %d entries past their retention", num_deleted)
+
+    def _roll_month(self) -> None:
+        month = month_key(self._clock_us())
+        if month > self.budgets.month:
+            self.budgets.roll_over(month)
+
+
+def _money(micros: int) -> str:
+    """Micro-units as a decimal string with 2 to 6 places (``12.50``, ``0.000123``)."""
+    units, fraction = divmod(micros, 1_000_000)
+    digits = f"{fraction:06d}".rstrip("0")
+    return f"{units}.{digits.ljust(2, '0')}"
