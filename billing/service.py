@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +71,16 @@ class BillingConfig:
     """How often request-log entries past their retention are deleted."""
     flush_interval_s: float = 0.2
     """Longest time a record waits in memory before it is written."""
+    worker_micros_per_hour: int = 0
+    """What one worker's hardware costs per hour (micro-units), for the measured cost."""
+    worker_micros_per_hour_by_name: tuple[tuple[str, int], ...] = ()
+    """Per-worker prices that differ from ``worker_micros_per_hour`` (by worker name)."""
+    telemetry_interval_s: float = 5.0
+    """How often GPUs (NVML) or the host are sampled for the workers' busy time."""
+
+    def worker_price(self, worker: str) -> int:
+        """Micro-units per hour of ``worker``."""
+        return dict(self.worker_micros_per_hour_by_name).get(worker, self.worker_micros_per_hour)
 
 
 @dataclass(slots=True)
@@ -215,10 +225,15 @@ class Billing:
     async def alerts(self, tenant_id: str | None, since_us: int) -> list[BudgetAlert]:
         return await self.writer.run(self.store.alerts, tenant_id, since_us)
 
+    async def flush(self) -> None:
+        """Write everything recorded so far (an export or a report after it sees it all)."""
+        if not await self.writer.flush():
+            raise LedgerUnavailableError("the ledger database is down; records are spooled")
+
     async def usage(self, query: UsageQuery) -> AsyncIterator[list[UsageRecord]]:
-        """The records of ``query`` page by page, ordered by (finished_at, record_id). What was
-        recorded before the call is flushed first, so an export sees it."""
-        await self.writer.flush()
+        """The records of ``query`` page by page, ordered by (finished_at, record_id), after
+        everything recorded before the call was written."""
+        await self.flush()
         after: Cursor | None = None
         while True:
             page = await asyncio.to_thread(self.store.usage_page, query, after, PAGE_SIZE)
@@ -226,13 +241,24 @@ class Billing:
                 yield page
             if len(page) < PAGE_SIZE:
                 return
-            last = page[-1]
-            after = Cursor(last.finished_at_us, last.record_id)
+            after = Cursor(page[-1].finished_at_us, page[-1].record_id)
+
+    def usage_pages_sync(self, query: UsageQuery) -> Iterator[list[UsageRecord]]:
+        """The same pages, read on the calling thread (a streaming response's worker thread);
+        call ``flush()`` first."""
+        after: Cursor | None = None
+        while True:
+            page = self.store.usage_page(query, after, PAGE_SIZE)
+            if page:
+                yield page
+            if len(page) < PAGE_SIZE:
+                return
+            after = Cursor(page[-1].finished_at_us, page[-1].record_id)
 
     async def request_log(
         self, tenant_id: str, start_us: int, end_us: int, limit: int
     ) -> list[RequestLogEntry]:
-        await self.writer.flush()
+        await self.flush()
         return await asyncio.to_thread(self.store.request_log, tenant_id, start_us, end_us, limit)
 
     # -- the refresher ---------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,8 +19,11 @@ from admission.admitter import AdmissionConfig, Admitter
 from admission.controller import AdmissionController, ControllerConfig
 from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
+from billing.cost import CostMeter, WorkerCost
+from billing.cost_metrics import CostCollector
 from billing.metrics import BillingCollector
 from billing.service import Billing, BillingConfig
+from billing.telemetry import TelemetryCollector
 from gateway.auth import AdminAuth, Authenticator
 from gateway.capacity import DecodeCapacity
 from gateway.content_policy import ContentPolicy, ModerationSetup, build_moderator
@@ -31,12 +35,15 @@ from gateway.kv_usage import KvUsageWatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ServedModel, ServingPipeline
 from gateway.routes_admin import router as admin_router
+from gateway.routes_billing import admin_router as billing_admin_router
+from gateway.routes_billing import tenant_router as usage_router
 from gateway.routes_openai import OpenAIServices
 from gateway.routes_openai import router as openai_router
 from gateway.stores import StoreConfig, open_stores
 from gateway.upstream import EngineClient, UpstreamConfig
 from gateway.worker_metrics import scrape_workers
 from kv_transfer.decider import DeciderConfig
+from workers.pool import WorkerPool
 from workers.registry import Worker, WorkerSource
 
 
@@ -152,13 +159,21 @@ def create_app(
             )
             billing = None
             if config.billing is not None:
-                billing = Billing(config.billing)
+                meter = _cost_meter(config.billing, models[0], (prefill, decode))
+                billing = Billing(config.billing, cost_meter=meter)
                 await billing.start()
                 # Closed after the idempotent runs (pushed first): runs still going record.
                 resources.push_async_callback(billing.aclose)
-                billing_metrics = BillingCollector(billing)
-                metrics.registry.register(billing_metrics)
-                resources.callback(metrics.registry.unregister, billing_metrics)
+                telemetry = TelemetryCollector(
+                    meter,
+                    functools.partial(_worker_pids, (prefill, decode)),
+                    interval_s=config.billing.telemetry_interval_s,
+                )
+                await telemetry.start()
+                resources.push_async_callback(telemetry.aclose)
+                for collector in (BillingCollector(billing), CostCollector(meter, telemetry)):
+                    metrics.registry.register(collector)
+                    resources.callback(metrics.registry.unregister, collector)
             counter = await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir)
             moderator = await asyncio.to_thread(build_moderator, config.moderation)
             await moderator.start()
@@ -197,6 +212,8 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(billing_admin_router)
+    app.include_router(usage_router)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -225,6 +242,35 @@ def create_app(
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
     return app
+
+
+def _cost_meter(
+    config: BillingConfig, model: ServedModel, pools: Sequence[WorkerSource]
+) -> CostMeter:
+    """Every worker priced as configured; they all serve ``model``."""
+    return CostMeter(
+        [
+            WorkerCost(
+                worker.name,
+                model.deployment,
+                model.version or model.name,
+                config.worker_price(worker.name),
+            )
+            for pool in pools
+            for worker in pool.workers
+        ]
+    )
+
+
+def _worker_pids(pools: Sequence[WorkerSource]) -> dict[str, int | None]:
+    """Worker name -> pid of its process (None for workers someone else started)."""
+    pids: dict[str, int | None] = {}
+    for pool in pools:
+        statuses = pool.status() if isinstance(pool, WorkerPool) else []
+        known = {status.name: status.pid for status in statuses}
+        for worker in pool.workers:
+            pids[worker.name] = known.get(worker.name)
+    return pids
 
 
 def _worker_status(worker: Worker) -> dict[str, Any]:

@@ -166,7 +166,7 @@ async def list_tenants(registry: RegistryDep) -> dict[str, Any]:
 @router.get("/tenants/{tenant}")
 async def get_tenant(tenant: str, registry: RegistryDep) -> dict[str, Any]:
     """One tenant."""
-    return tenant_to_dict(await _resolve(registry, tenant))
+    return tenant_to_dict(await resolve_tenant(registry, tenant))
 
 
 @router.patch("/tenants/{tenant}")
@@ -174,7 +174,7 @@ async def update_tenant(
     tenant: str, body: PlanFields, registry: RegistryDep, moderator: ModeratorDep
 ) -> dict[str, Any]:
     """Change quotas, weight, band or moderation; omitted fields keep their values."""
-    current = await _resolve(registry, tenant)
+    current = await resolve_tenant(registry, tenant)
     plan = body.apply_to(current.plan, moderator)
     try:
         updated = await _store(registry.update_tenant(current.tenant_id, plan))
@@ -190,7 +190,7 @@ async def delete_tenant(
     controller: Annotated[AdmissionController, Depends(get_controller)],
 ) -> dict[str, Any]:
     """Delete a tenant, its keys and its quota counters."""
-    current = await _resolve(registry, tenant)
+    current = await resolve_tenant(registry, tenant)
     try:
         await _store(registry.delete_tenant(current.tenant_id))
     except UnknownTenantError as exc:
@@ -204,7 +204,7 @@ async def issue_key(
     tenant: str, registry: RegistryDep, body: KeyCreate | None = None
 ) -> dict[str, Any]:
     """Issue a key. Its plaintext is in this response only: it is stored hashed."""
-    current = await _resolve(registry, tenant)
+    current = await resolve_tenant(registry, tenant)
     try:
         issued = await _store(registry.issue_key(current.tenant_id, (body or KeyCreate()).name))
     except UnknownTenantError as exc:
@@ -215,7 +215,7 @@ async def issue_key(
 @router.get("/tenants/{tenant}/keys")
 async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
     """A tenant's keys (never their secrets), revoked ones included."""
-    current = await _resolve(registry, tenant)
+    current = await resolve_tenant(registry, tenant)
     keys = await _store(registry.list_keys(current.tenant_id))
     return {"object": "list", "data": [_public_key(key) for key in keys]}
 
@@ -238,7 +238,7 @@ async def tenant_usage(
 ) -> dict[str, Any]:
     """Live quota state: limits, what remains now, when buckets are full again, requests in
     flight (all replicas) and queued (this replica)."""
-    current = await _resolve(registry, tenant)
+    current = await resolve_tenant(registry, tenant)
     snapshot = await _store(controller.snapshot(current))
     return {
         "tenant_id": current.tenant_id,
@@ -259,7 +259,8 @@ async def tenant_usage(
     }
 
 
-async def _resolve(registry: TenantRegistry, ref: str) -> Tenant:
+async def resolve_tenant(registry: TenantRegistry, ref: str) -> Tenant:
+    """The tenant with id or name ``ref``; 404 if none."""
     tenant = await _store(registry.get_tenant(ref))
     if tenant is None:
         tenant = await _store(registry.find_tenant(ref))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -134,6 +135,13 @@ class TandemSettings(BaseSettings):
     billing_refresh_interval_s: float = Field(5.0, gt=0)
     """How often spend, prices and budgets are re-read from the ledger: another gateway's spend
     counts against a shared budget here within about this long."""
+    worker_cost_per_hour: Decimal = Field(Decimal(0), ge=0)
+    """What one worker's hardware costs per hour, in ``billing_currency`` (e.g. ``2.50`` for a
+    cloud GPU): with measured busy time it gives the real cost per 1k tokens."""
+    worker_costs_per_hour: dict[str, Decimal] = Field(default_factory=dict)
+    """Per-worker hourly prices that differ, as JSON by worker name, e.g. ``{"prefill-0": 3.1}``."""
+    telemetry_interval_s: float = Field(5.0, gt=0)
+    """How often GPUs (NVML) or the host are sampled for the measured cost."""
     deployment: str = Field("default", min_length=1)
     """Name of this deployment (a rollout arm); ledger records and measured cost carry it."""
     model_version: str | None = None

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -257,4 +258,13 @@ def billing_config(settings: TandemSettings) -> BillingConfig | None:
         database_url=url.get_secret_value() if url is not None else None,
         currency=settings.billing_currency,
         refresh_interval_s=settings.billing_refresh_interval_s,
+        worker_micros_per_hour=_micros(settings.worker_cost_per_hour),
+        worker_micros_per_hour_by_name=tuple(
+            (name, _micros(price)) for name, price in sorted(settings.worker_costs_per_hour.items())
+        ),
+        telemetry_interval_s=settings.telemetry_interval_s,
     )
+
+
+def _micros(amount: Decimal) -> int:
+    return int((amount * 1_000_000).to_integral_value())
