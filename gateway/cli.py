@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.status import Status
 
 from gateway.cli_admin import add_admin_parser, run_admin
+from gateway.cli_billing import add_billing_parser, run_billing
 from gateway.settings import TandemSettings
 from gateway.stack import Stack, prepare_model_in_subprocess
 from workers.model import ModelPreparationError, RichProgress, prepare_model
@@ -60,6 +61,8 @@ def run_command(args: argparse.Namespace) -> int | None:
             return 0
         if args.command == "admin":
             return run_admin(args)
+        if args.command == "billing":
+            return run_billing(args)
         if args.command == "version":
             print("tandem 0.1.0")
             return 0
@@ -76,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def add_commands(commands: Any) -> None:
-    """Add ``up``, ``model``, ``admin`` and ``version`` to a ``tandem`` subparsers object."""
+    """Add ``up``, ``model``, ``admin``, ``billing`` and ``version`` to ``tandem``'s subparsers."""
     up = commands.add_parser("up", help="run the whole stack: workers and gateway")
     up.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled SmolLM2)")
     up.add_argument("--served-model-name", help="model name clients send")
@@ -114,6 +117,7 @@ def add_commands(commands: Any) -> None:
     prepare.add_argument("--cache-dir", type=Path)
 
     add_admin_parser(commands)
+    add_billing_parser(commands)
     commands.add_parser("version", help="print the version")
 
 

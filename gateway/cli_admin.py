@@ -93,7 +93,7 @@ def run_admin(args: argparse.Namespace) -> int:
         url = args.url or f"http://{settings.host}:{settings.port}"
         with httpx.Client(
             base_url=url.rstrip("/"),
-            headers={"Authorization": f"Bearer {_admin_key(args, settings)}"},
+            headers={"Authorization": f"Bearer {admin_key_for(args, settings)}"},
             timeout=10.0,
         ) as client:
             _dispatch(client, args)
@@ -106,7 +106,7 @@ def run_admin(args: argparse.Namespace) -> int:
         return 1
 
 
-def _admin_key(args: argparse.Namespace, settings: TandemSettings) -> str:
+def admin_key_for(args: argparse.Namespace, settings: TandemSettings) -> str:
     if args.admin_key:
         return str(args.admin_key)
     if settings.admin_key is not None:
@@ -123,28 +123,32 @@ def _admin_key(args: argparse.Namespace, settings: TandemSettings) -> str:
 def _dispatch(client: httpx.Client, args: argparse.Namespace) -> None:
     group, command = args.admin_group, getattr(args, "admin_command", None)
     if group == "usage":
-        _show(_call(client, "GET", f"/admin/v1/tenants/{args.tenant}/usage"))
+        show_json(call_api(client, "GET", f"/admin/v1/tenants/{args.tenant}/usage"))
     elif group == "tenants" and command == "list":
         _table(
-            _call(client, "GET", "/admin/v1/tenants")["data"],
+            call_api(client, "GET", "/admin/v1/tenants")["data"],
             ("name", "id", "band", "weight", *_PLAN_FLAGS),
             lambda t: (t["name"], t["tenant_id"], *_plan_cells(t["plan"])),
         )
     elif group == "tenants" and command == "create":
-        _show(_call(client, "POST", "/admin/v1/tenants", {"name": args.tenant, **_plan(args)}))
+        show_json(
+            call_api(client, "POST", "/admin/v1/tenants", {"name": args.tenant, **_plan(args)})
+        )
     elif group == "tenants" and command == "show":
-        _show(_call(client, "GET", f"/admin/v1/tenants/{args.tenant}"))
+        show_json(call_api(client, "GET", f"/admin/v1/tenants/{args.tenant}"))
     elif group == "tenants" and command == "update":
-        _show(_call(client, "PATCH", f"/admin/v1/tenants/{args.tenant}", _plan(args)))
+        show_json(call_api(client, "PATCH", f"/admin/v1/tenants/{args.tenant}", _plan(args)))
     elif group == "tenants" and command == "delete":
-        _show(_call(client, "DELETE", f"/admin/v1/tenants/{args.tenant}"))
+        show_json(call_api(client, "DELETE", f"/admin/v1/tenants/{args.tenant}"))
     elif group == "keys" and command == "issue":
-        issued = _call(client, "POST", f"/admin/v1/tenants/{args.tenant}/keys", {"name": args.name})
-        _show(issued)
+        issued = call_api(
+            client, "POST", f"/admin/v1/tenants/{args.tenant}/keys", {"name": args.name}
+        )
+        show_json(issued)
         err.print("[yellow]The key is shown this once; it is stored only as a hash.[/]")
     elif group == "keys" and command == "list":
         _table(
-            _call(client, "GET", f"/admin/v1/tenants/{args.tenant}/keys")["data"],
+            call_api(client, "GET", f"/admin/v1/tenants/{args.tenant}/keys")["data"],
             ("id", "name", "prefix", "created", "last used", "revoked"),
             lambda k: (
                 k["key_id"], k["name"], k["display_prefix"], _time(k["created_at"]),
@@ -152,7 +156,7 @@ def _dispatch(client: httpx.Client, args: argparse.Namespace) -> None:
             ),
         )  # fmt: skip
     elif group == "keys" and command == "revoke":
-        _show(_call(client, "POST", f"/admin/v1/keys/{args.key_id}/revoke"))
+        show_json(call_api(client, "POST", f"/admin/v1/keys/{args.key_id}/revoke"))
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     return plan
 
 
-def _call(
+def call_api(
     client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     response = client.request(method, path, json=body)
@@ -179,14 +183,14 @@ def _call(
     return payload
 
 
-def _show(payload: dict[str, Any]) -> None:
+def show_json(payload: dict[str, Any]) -> None:
     out.print_json(json.dumps(payload))
 
 
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...], cells: Any) -> None:
     if not out.is_terminal:
         # Piped or captured: JSON for scripts, not a table cut to 80 columns.
-        _show({"object": "list", "data": rows})
+        show_json({"object": "list", "data": rows})
         return
     table = Table(*columns)
     for row in rows:
