@@ -129,6 +129,9 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         # Health is polled every second; without this the worker log is mostly access lines.
         # (Request logging is already off by default: vLLM 0.32 has only --enable-log-requests.)
         "--disable-access-log-for-endpoints", "/health,/metrics",
+        # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
+        # cached price.
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     if launch.max_model_len is not None:
         argv += ["--max-model-len", str(launch.max_model_len)]
