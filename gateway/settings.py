@@ -97,8 +97,9 @@ class TandemSettings(BaseSettings):
     """How often each worker's ``/health`` is polled."""
 
     state_dir: Path = Path(".tandem")
-    """Local durable state of the embedded default: the tenant store (``tandem.db``) and the
-    generated admin key (``admin.key``)."""
+    """Local durable state: the tenant store of the embedded default (``tandem.db``), the
+    generated admin key (``admin.key``), the SQLite ledger (``ledger.db``) and the ledger's
+    spool (``ledger-spool/``, records not yet in the database)."""
     redis_url: str | None = None
     """Redis for tenants, keys, quota counters and usage, shared by gateway replicas; unset =
     the embedded default (SQLite file + in-memory counters, one gateway)."""
