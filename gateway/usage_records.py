@@ -8,6 +8,7 @@ the output are captured too and scrubbed of PII before they leave the gateway.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from core.moderation import Action
 from core.request import Request, RequestPhase
 from gateway.pipeline import ServedModel
 from moderation.redact import scrub_pii
+
+log = logging.getLogger("tandem.billing")
 
 _STATUS = {
     RequestPhase.FINISHED: RequestStatus.COMPLETED,
@@ -85,7 +88,12 @@ class UsageRecorder:
                 scrub_pii(orjson.dumps(prompt).decode()),
                 scrub_pii("".join(self._output)),
             )
-        self._billing.record(record, prompt_output)
+        try:
+            self._billing.record(record, prompt_output)
+        except Exception:
+            # A billing bug must not turn a served answer into an error. The whole record is
+            # in the log line, so it can be re-entered by hand.
+            log.exception("request %s could not be billed: %r", record.request_id, record)
 
 
 def usage_record(request: Request, endpoint: Endpoint, model: ServedModel) -> UsageRecord:
