@@ -279,8 +279,11 @@ class Billing:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns a wait that finished in
+            # the same loop iteration as a cancel, and aclose() would then wait forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.refresh_interval_s)
+                async with asyncio.timeout(self.config.refresh_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self._announce_alerts()

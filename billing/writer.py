@@ -85,6 +85,11 @@ class _Segment:
     logs: list[RequestLogEntry] | None = field(default_factory=list)
     num_lines: int = 0
     recovered: bool = False
+    on_disk: bool = True
+    """Every line reached the file; False after a spool error: the lists are then the only
+    copy and must not be dropped."""
+    read_once: bool = False
+    """Its file was read back already (corrupt lines are counted on the first read only)."""
 
 
 class LedgerWriter:
@@ -180,8 +185,11 @@ class LedgerWriter:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns a wait that finished in
+            # the same loop iteration as a cancel, and aclose() would then wait forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._wait_s())
+                async with asyncio.timeout(self._wait_s()):
+                    await self._wake.wait()
             self._wake.clear()
             self._seal()
             await self._drain()
@@ -212,7 +220,9 @@ class LedgerWriter:
         if segment.usage is None or segment.logs is None:
             read, read_logs, corrupt = await self.run(_read_segment, segment.path)
             segment.usage, segment.logs, segment.num_lines = read, read_logs, len(read)
-            self.stats.num_corrupt_lines += corrupt
+            if not segment.read_once:  # a retry re-reads the same torn lines
+                self.stats.num_corrupt_lines += corrupt
+                segment.read_once = True
         usage: list[UsageRecord] = segment.usage or []
         logs: list[RequestLogEntry] = segment.logs or []
         for start in range(0, len(usage), self._config.max_batch):
@@ -232,9 +242,9 @@ class LedgerWriter:
             log.error("ledger database unavailable; spooling records in %s: %s",
                       self._config.spool_dir, exc)  # fmt: skip
         self.stats.database_up = False
-        # Its records are on disk: memory stays flat however long the outage lasts.
-        segment.usage = None
-        segment.logs = None
+        # Their records are on disk: memory stays flat however long the outage lasts.
+        for sealed in (segment, *self._sealed):
+            _drop_lists(sealed)
         self._retry_s = min(self._retry_s * 2, self._config.retry_max_s)
 
     # -- segments --------------------------------------------------------------------------
@@ -249,6 +259,7 @@ class LedgerWriter:
                 segment.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             except OSError as exc:
                 self.stats.num_spool_errors += 1
+                segment.on_disk = False
                 log.error("ledger spool %s cannot be opened (records kept in memory): %s",
                           path, exc)  # fmt: skip
             self._current = segment
@@ -262,6 +273,7 @@ class LedgerWriter:
             os.write(segment.fd, line)  # O_APPEND: one write per line, never interleaved
         except OSError as exc:
             self.stats.num_spool_errors += 1
+            segment.on_disk = False
             log.error("ledger spool write failed (record kept in memory): %s", exc)
 
     def _seal(self) -> None:
@@ -272,9 +284,19 @@ class LedgerWriter:
             os.close(segment.fd)
             segment.fd = None
         if segment.num_lines:
+            if not self.stats.database_up:
+                _drop_lists(segment)  # it waits on disk until the database is back
             self._sealed.append(segment)
         else:
             _unlink(segment.path)
+
+
+def _drop_lists(segment: _Segment) -> None:
+    """Keep a sealed segment on disk only (read back when it is written), unless its file
+    missed a line."""
+    if segment.on_disk:
+        segment.usage = None
+        segment.logs = None
 
 
 def _log_to_dict(entry: RequestLogEntry) -> dict[str, Any]:
