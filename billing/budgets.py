@@ -72,6 +72,16 @@ class BudgetGuard:
             return []  # a straggler from last month: counted, but alerts are this month's
         return self._crossed(tenant_id)
 
+    def check_all(self) -> list[BudgetAlert]:
+        """Levels crossed that have not fired, for every tenant with a budget (after a refresh
+        brought other gateways' spend, or a budget was lowered)."""
+        return [
+            alert
+            for tenant_id, account in sorted(self._accounts.items())
+            if account.monthly_budget_micros
+            for alert in self._crossed(tenant_id)
+        ]
+
     def spend(self, tenant_id: str) -> int:
         """This month's spend of ``tenant_id`` as this gateway knows it."""
         total = self._stored_spend.get(tenant_id, 0)

@@ -183,12 +183,9 @@ class Billing:
                 record.finished_at_us + retention_s * 1_000_000, *prompt_output,
             )  # fmt: skip
         self.writer.submit(record, entry)
-        alerts = self.budgets.add(
-            record.tenant_id, month_key(record.finished_at_us), record.cost_micros
+        self._queue_alerts(
+            self.budgets.add(record.tenant_id, month_key(record.finished_at_us), record.cost_micros)
         )
-        if alerts:
-            self._unannounced.extend(alerts)
-            self._wake.set()
         if self.cost_meter is not None:
             self.cost_meter.observe_tokens(
                 record.deployment, record.model_version, record.total_tokens, record.cost_micros
@@ -213,6 +210,7 @@ class Billing:
         """Create or replace a tenant's budget and request-log settings."""
         await self.writer.run(self.store.put_account, settings, self._clock_us())
         self.budgets.put_account(settings)
+        self._queue_alerts(self.budgets.check_all())
 
     def budget_status(self, tenant_id: str) -> BudgetStatus:
         self._roll_month()
@@ -265,17 +263,21 @@ class Billing:
 
     async def refresh(self) -> None:
         """Write what is pending, then read spend, prices, settings and fired alerts."""
+        now = self._clock_us()
         self._roll_month()
         month = self.budgets.month
+        period = month_of(now)  # the month of `month`, even if it turns during the flush
         generation = self.budgets.begin_refresh()
         if not await self.writer.flush():
             raise LedgerUnavailableError("the ledger database is down; records are spooled")
-        period = month_of(self._clock_us())
         spend = await self.writer.run(self.store.spend_by_tenant, period.start_us, period.end_us)
         fired = await self.writer.run(self.store.alerts, None, period.start_us)
         self.budgets.complete_refresh(generation, month, spend, fired)
         self.budgets.set_accounts(await self.writer.run(self.store.accounts))
         self.prices = PriceBook(await self.writer.run(self.store.price_cards))
+        # Levels crossed by other gateways' spend, or by a budget lowered below the spend:
+        # no request of this tenant may come to trigger them here.
+        self._queue_alerts(self.budgets.check_all())
 
     async def _run(self) -> None:
         while True:
@@ -292,20 +294,39 @@ class Billing:
             except LedgerUnavailableError as exc:
                 log.debug("billing refresh skipped: %s", exc)
 
+    def _queue_alerts(self, alerts: list[BudgetAlert]) -> None:
+        if alerts:
+            self._unannounced.extend(alerts)
+            self._wake.set()
+
     async def _announce_alerts(self) -> None:
         """Store each new alert; announce the ones no other gateway stored first."""
         while self._unannounced:
-            alert = dataclasses.replace(self._unannounced[0], fired_at_us=self._clock_us())
-            is_new = await self.writer.run(self.store.add_alert, alert)
-            self._unannounced.pop(0)
+            alert = dataclasses.replace(self._unannounced.pop(0), fired_at_us=self._clock_us())
+            storing = asyncio.ensure_future(self.writer.run(self.store.add_alert, alert))
+            try:
+                is_new = await asyncio.shield(storing)
+            except asyncio.CancelledError:
+                # Shutting down mid-insert: the row may be committed already, so only this
+                # call can announce it. Finish it, announce, then stop.
+                with contextlib.suppress(LedgerUnavailableError):
+                    if await storing:
+                        self._announce(alert)
+                raise
+            except LedgerUnavailableError:
+                self._unannounced.insert(0, alert)
+                raise
             if is_new:
-                key = (alert.tenant_id, alert.threshold_pct)
-                self.alert_stats.fired[key] = self.alert_stats.fired.get(key, 0) + 1
-                log.warning(
-                    "budget alert: tenant %s reached %d%% of its %s budget (%s of %s %s)",
-                    alert.tenant_id, alert.threshold_pct, alert.month,
-                    _money(alert.spend_micros), _money(alert.budget_micros), self.config.currency,
-                )  # fmt: skip
+                self._announce(alert)
+
+    def _announce(self, alert: BudgetAlert) -> None:
+        key = (alert.tenant_id, alert.threshold_pct)
+        self.alert_stats.fired[key] = self.alert_stats.fired.get(key, 0) + 1
+        log.warning(
+            "budget alert: tenant %s reached %d%% of its %s budget (%s of %s %s)",
+            alert.tenant_id, alert.threshold_pct, alert.month,
+            _money(alert.spend_micros), _money(alert.budget_micros), self.config.currency,
+        )  # fmt: skip
 
     async def _purge_request_log(self) -> None:
         if time.monotonic() - self._last_purge < self.config.purge_interval_s:

@@ -114,7 +114,10 @@ class LedgerWriter:
         and start flushing. A database that is down now is retried later, like any outage."""
         self._config.spool_dir.mkdir(parents=True, exist_ok=True)
         for path in sorted(self._config.spool_dir.glob(f"*{_SUFFIX}")):
-            self._sealed.append(_Segment(path, usage=None, logs=None, recovered=True))
+            num_lines = await asyncio.to_thread(_count_lines, path)
+            self._sealed.append(
+                _Segment(path, usage=None, logs=None, num_lines=num_lines, recovered=True)
+            )
         if self._sealed:
             log.info("ledger: replaying %d spool segment(s) from %s", len(self._sealed),
                      self._config.spool_dir)  # fmt: skip
@@ -332,6 +335,14 @@ def _read_segment(path: Path) -> tuple[list[UsageRecord], list[RequestLogEntry],
             corrupt += 1
             log.error("ledger spool %s: skipping an unreadable line: %s", path, exc)
     return usage, logs, corrupt
+
+
+def _count_lines(path: Path) -> int:
+    """Records in a segment left by a previous process (for ``num_pending`` until it is read)."""
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def _unlink(path: Path) -> None:
