@@ -1,0 +1,5 @@
+import sys
+
+from bench.ledger.cli import main
+
+sys.exit(main())
