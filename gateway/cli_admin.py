@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -88,15 +89,25 @@ def _limit(text: str) -> int | str:
 
 def run_admin(args: argparse.Namespace) -> int:
     """Run one ``tandem admin`` command; returns the exit code."""
+    return run_api_command(args, _dispatch)
+
+
+def run_api_command(
+    args: argparse.Namespace,
+    dispatch: Callable[[httpx.Client, argparse.Namespace], None],
+    timeout_s: float = 10.0,
+) -> int:
+    """Run ``dispatch`` with a client of the admin API (``--url``, ``--admin-key``); returns
+    the exit code, with errors printed for the operator instead of a traceback."""
     try:
         settings = TandemSettings()
         url = args.url or f"http://{settings.host}:{settings.port}"
         with httpx.Client(
             base_url=url.rstrip("/"),
             headers={"Authorization": f"Bearer {admin_key_for(args, settings)}"},
-            timeout=10.0,
+            timeout=timeout_s,
         ) as client:
-            _dispatch(client, args)
+            dispatch(client, args)
         return 0
     except AdminCliError as exc:
         err.print(f"[red]error:[/] {exc}")

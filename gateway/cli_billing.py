@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from gateway.cli_admin import AdminCliError, admin_key_for, call_api, err, show_json
-from gateway.settings import TandemSettings
+from gateway.cli_admin import AdminCliError, call_api, err, run_api_command, show_json
 
 
 def add_billing_parser(commands: Any) -> None:
@@ -61,22 +60,7 @@ def add_billing_parser(commands: Any) -> None:
 
 def run_billing(args: argparse.Namespace) -> int:
     """Run one ``tandem billing`` command; returns the exit code."""
-    try:
-        settings = TandemSettings()
-        url = args.url or f"http://{settings.host}:{settings.port}"
-        with httpx.Client(
-            base_url=url.rstrip("/"),
-            headers={"Authorization": f"Bearer {admin_key_for(args, settings)}"},
-            timeout=60.0,
-        ) as client:
-            _dispatch(client, args)
-        return 0
-    except AdminCliError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        return 1
-    except httpx.HTTPError as exc:
-        err.print(f"[red]error:[/] cannot reach the gateway ({exc}); is `tandem up` running?")
-        return 1
+    return run_api_command(args, _dispatch, timeout_s=60.0)  # exports of a month take a while
 
 
 def _dispatch(client: httpx.Client, args: argparse.Namespace) -> None:
