@@ -129,9 +129,6 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         # Health is polled every second; without this the worker log is mostly access lines.
         # (Request logging is already off by default: vLLM 0.32 has only --enable-log-requests.)
         "--disable-access-log-for-endpoints", "/health,/metrics",
-        # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
-        # cached price.
-        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     if launch.max_model_len is not None:
         argv += ["--max-model-len", str(launch.max_model_len)]
@@ -139,6 +136,9 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv.append("--enforce-eager")
     if launch.dtype != "auto":
         argv += ["--dtype", launch.dtype]
+    # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
+    # cached price.
+    argv.append("--enable-prompt-tokens-details")
     argv += launch.extra_args
     return argv
 

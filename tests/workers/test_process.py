@@ -114,6 +114,7 @@ def test_prefill_and_decode_command_lines() -> None:
     assert (flags["--host"], flags["--port"]) == ("127.0.0.1", "9100")
     assert flags["--max-model-len"] == "2048"
     assert "--enforce-eager" in argv
+    assert "--enable-prompt-tokens-details" in argv  # cached prompt tokens reach the ledger
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
