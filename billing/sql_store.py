@@ -40,6 +40,9 @@ _INSERT_USAGE = (
     "ON CONFLICT (record_id) DO NOTHING"
 )
 _SELECT_USAGE = f"SELECT {', '.join(COLUMNS)} FROM tandem_usage"
+_CHECK_AFTER_IDLE_S = 1.0
+"""A connection idle longer is checked before use: after a database restart the first call on
+each thread would otherwise fail once (an export answered 503) before reconnecting."""
 _REQUEST_LOG_COLUMNS = (
     "record_id, request_id, tenant_id, created_at_us, expires_at_us, prompt, output"
 )
@@ -82,8 +85,23 @@ class SqlLedgerStore(abc.ABC):
     def _sql(self, statement: str) -> str:
         return statement if self.placeholder == "?" else statement.replace("?", self.placeholder)
 
+    def _is_alive(self, connection: Any) -> bool:
+        """A connection idle for a while still reaches the database (a restarted server
+        closed it); True when the backend cannot go away underneath it."""
+        return True
+
     def _connection(self) -> Any:
         connection = getattr(self._local, "connection", None)
+        now = time.monotonic()
+        idle_s = now - getattr(self._local, "used_at", now)
+        if (
+            connection is not None
+            and idle_s > _CHECK_AFTER_IDLE_S
+            and not self._is_alive(connection)
+        ):
+            self._drop_connection()
+            connection = None
+        self._local.used_at = now
         if connection is None:
             try:
                 connection = self._connect()
@@ -399,6 +417,15 @@ class PostgresLedgerStore(SqlLedgerStore):
 
     def _transaction(self, connection: Any) -> Any:
         return connection.transaction()
+
+    def _is_alive(self, connection: Any) -> bool:
+        try:
+            connection.execute("SELECT 1")
+        except Exception as exc:
+            if self._is_unavailable(exc):
+                return False
+            raise
+        return True
 
     def _lock_migrations(self, cursor: Any) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(7061726)")  # an arbitrary, fixed key
