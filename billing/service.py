@@ -232,14 +232,9 @@ class Billing:
         """The records of ``query`` page by page, ordered by (finished_at, record_id), after
         everything recorded before the call was written."""
         await self.flush()
-        after: Cursor | None = None
-        while True:
-            page = await asyncio.to_thread(self.store.usage_page, query, after, PAGE_SIZE)
-            if page:
-                yield page
-            if len(page) < PAGE_SIZE:
-                return
-            after = Cursor(page[-1].finished_at_us, page[-1].record_id)
+        pages = self.usage_pages_sync(query)
+        while (page := await asyncio.to_thread(next, pages, None)) is not None:
+            yield page
 
     def usage_pages_sync(self, query: UsageQuery) -> Iterator[list[UsageRecord]]:
         """The same pages, read on the calling thread (a streaming response's worker thread);
@@ -268,8 +263,7 @@ class Billing:
         month = self.budgets.month
         period = month_of(now)  # the month of `month`, even if it turns during the flush
         generation = self.budgets.begin_refresh()
-        if not await self.writer.flush():
-            raise LedgerUnavailableError("the ledger database is down; records are spooled")
+        await self.flush()
         spend = await self.writer.run(self.store.spend_by_tenant, period.start_us, period.end_us)
         fired = await self.writer.run(self.store.alerts, None, period.start_us)
         self.budgets.complete_refresh(generation, month, spend, fired)

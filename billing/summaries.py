@@ -29,6 +29,11 @@ _TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d{1,6})?([Zz
 class PeriodError(ValueError):
     """A period that cannot be accepted; the message names the parameter and shows an example."""
 
+    def __init__(self, message: str, param: str = "to") -> None:
+        super().__init__(message)
+        self.param = param
+        """The parameter to fix (``from``, ``to``, or the caller's name for an instant)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Period:
@@ -50,8 +55,8 @@ def parse_period(from_text: str, to_text: str) -> Period:
     """The period ``[from, to)`` from two dates (``2026-11-01``, midnight UTC) or RFC 3339
     timestamps with an offset (``2026-11-01T00:00:00Z``). ``to`` is exclusive: November is
     ``from=2026-11-01, to=2026-12-01``."""
-    start_us = _parse_instant(from_text, "from")
-    end_us = _parse_instant(to_text, "to")
+    start_us = parse_instant(from_text, "from")
+    end_us = parse_instant(to_text, "to")
     if end_us <= start_us:
         raise PeriodError(
             f"to must be after from (to is exclusive; got from={from_text!r}, to={to_text!r}); "
@@ -60,7 +65,9 @@ def parse_period(from_text: str, to_text: str) -> Period:
     return Period(start_us, end_us)
 
 
-def _parse_instant(text: str, param: str) -> int:
+def parse_instant(text: str, param: str) -> int:
+    """Unix µs of a date (midnight UTC) or an RFC 3339 timestamp with an offset; the error
+    names ``param``."""
     stripped = text.strip()
     try:
         if _DATE.fullmatch(stripped):
@@ -73,7 +80,8 @@ def _parse_instant(text: str, param: str) -> int:
         pass  # a well-shaped but impossible value (2026-02-30, 25:00): same message as junk
     raise PeriodError(
         f"{param} must be a date such as 2026-11-01 (midnight UTC) or an RFC 3339 timestamp "
-        f"with an offset such as 2026-11-01T00:00:00Z; got {text!r}"
+        f"with an offset such as 2026-11-01T00:00:00Z; got {text!r}",
+        param,
     )
 
 

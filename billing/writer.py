@@ -107,7 +107,6 @@ class LedgerWriter:
         self._draining = asyncio.Lock()  # one drain at a time: segments leave in order, once
         self._task: asyncio.Task[None] | None = None
         self._retry_s = config.retry_initial_s
-        self._closing = False
 
     async def start(self) -> None:
         """Migrate the schema if the database is up, queue any segments a previous process left,
@@ -169,18 +168,11 @@ class LedgerWriter:
     async def aclose(self) -> None:
         """Stop the flusher, try once more to write everything, and release the thread. What the
         database does not take stays in the spool for the next start."""
-        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        with contextlib.suppress(LedgerUnavailableError):
-            await self.flush()
-        for segment in (self._current, *self._sealed):
-            if segment is not None and segment.fd is not None:
-                os.close(segment.fd)
-                segment.fd = None
-        self._current = None
+        await self.flush()  # seals (closing the open segment's file); False leaves it spooled
         await self.run(self._store.close)
         self._executor.shutdown(wait=True)
 

@@ -24,7 +24,14 @@ from billing.prices import PriceCard, PriceError, parse_price
 from billing.records import MICROS_PER_UNIT, UsageRecord, format_unix_us
 from billing.service import Billing, now_us
 from billing.store import AccountSettings, LedgerUnavailableError, PriceConflictError, UsageQuery
-from billing.summaries import Period, PeriodError, daily_summaries, month_of, parse_period
+from billing.summaries import (
+    Period,
+    PeriodError,
+    daily_summaries,
+    month_of,
+    parse_instant,
+    parse_period,
+)
 from core.errors import ConflictError, InvalidRequestError, NotFoundError, StoreUnavailableError
 from gateway.routes_admin import RegistryDep, require_admin, resolve_tenant
 from gateway.routes_openai import ServicesDep
@@ -258,8 +265,7 @@ async def own_usage(
         period = _period(from_, to)
     if fmt != "json":
         return await _export(billing, period, kind, ExportFormat(fmt), tenant_id)
-    records = await _records(billing, period, tenant_id)
-    days = daily_summaries(records)
+    days = daily_summaries(await _records(billing, period, tenant_id))
     return _json_response(
         {
             "object": "usage",
@@ -268,11 +274,11 @@ async def own_usage(
             "to": format_unix_us(period.end_us),
             "currency": billing.config.currency,
             "total": {
-                "requests": len(records),
-                "prompt_tokens": sum(r.prompt_tokens for r in records),
-                "completion_tokens": sum(r.completion_tokens for r in records),
-                "cached_tokens": sum(r.cached_tokens for r in records),
-                "cost": format_micros(sum(r.cost_micros for r in records)),
+                "requests": sum(d.num_requests for d in days),
+                "prompt_tokens": sum(d.prompt_tokens for d in days),
+                "completion_tokens": sum(d.completion_tokens for d in days),
+                "cached_tokens": sum(d.cached_tokens for d in days),
+                "cost": format_micros(sum(d.cost_micros for d in days)),
             },
             "budget": _budget(billing.budget_status(tenant_id)),
             "data": [
@@ -328,18 +334,14 @@ def _period(from_text: str, to_text: str) -> Period:
     try:
         return parse_period(from_text, to_text)
     except PeriodError as exc:
-        raise InvalidRequestError(str(exc), param="from" if "from" in str(exc) else "to") from exc
+        raise InvalidRequestError(str(exc), param=exc.param) from exc
 
 
 def _instant(text: str, param: str = "effective_from") -> int:
     try:
-        return parse_period(text, "9999-12-31").start_us
+        return parse_instant(text, param)
     except PeriodError as exc:
-        raise InvalidRequestError(
-            f"{param} must be an RFC 3339 time such as 2026-12-01T00:00:00Z or a date "
-            "such as 2026-12-01",
-            param=param,
-        ) from exc
+        raise InvalidRequestError(str(exc), param=exc.param) from exc
 
 
 def _micros(value: str | float, param: str) -> int:
