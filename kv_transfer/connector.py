@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from core.messages import WorkerRole
+from kv_transfer.nixl_progress import DELAY_ENV
 
 
 class KvBufferDevice(enum.StrEnum):
@@ -33,6 +34,10 @@ class ConnectorConfig:
     yet. Decode renews the lease while it reads (every lease/6), so this bounds only abandoned
     KV: a client gone between the legs frees the prefill worker's blocks after this long.
     vLLM's default is 30 s; both roles must agree."""
+    progress_delay_us: int = 1000
+    """Poll timeout of NIXL's UCX progress thread, in µs (``kv_transfer.nixl_progress``).
+    NIXL's own is 0, a busy poll that keeps a core at 100 % on every idle worker; the thread is
+    woken by transfers either way, so the delay only bounds NIXL's safety-net wake-ups."""
 
 
 _ROLE_TO_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
@@ -49,6 +54,14 @@ def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, A
     }
 
 
-def side_channel_env(host: str, port: int) -> dict[str, str]:
-    """Environment naming the NIXL side channel a worker listens on for the KV handshake."""
-    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+def connector_env(config: ConnectorConfig, host: str, side_channel_port: int) -> dict[str, str]:
+    """Environment a worker needs for its connector: where its NIXL side channel listens for
+    the KV handshake, and the progress-thread delay."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        DELAY_ENV: str(config.progress_delay_us),
+        # vLLM sets this UCX option itself, but only if NIXL was not imported yet; the plugin
+        # that applies the delay imports NIXL first, so the same value is given here.
+        "UCX_RCACHE_MAX_UNRELEASED": "1024",
+    }

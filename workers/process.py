@@ -25,7 +25,7 @@ from typing import IO
 import psutil
 
 from core.messages import WorkerRole
-from kv_transfer.connector import ConnectorConfig, kv_transfer_config, side_channel_env
+from kv_transfer.connector import ConnectorConfig, connector_env, kv_transfer_config
 
 logger = logging.getLogger("tandem.workers")
 
@@ -149,7 +149,7 @@ def worker_env(spec: WorkerSpec) -> dict[str, str]:
         # Nothing can be downloaded from a model hub here; fail fast instead of hanging.
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": str(spec.launch.kv_cache_gib),
-        **side_channel_env(spec.launch.host, spec.side_channel_port),
+        **connector_env(spec.launch.connector, spec.launch.host, spec.side_channel_port),
     }
     if spec.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind

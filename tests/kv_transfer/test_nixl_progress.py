@@ -1,0 +1,126 @@
+"""The plugin that gives NIXL's progress thread a poll timeout instead of a busy loop."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import psutil
+import pytest
+
+from kv_transfer import nixl_progress
+from kv_transfer.connector import ConnectorConfig, connector_env
+from kv_transfer.nixl_progress import DELAY_ENV, DelayedAgentBinding, install, parse_delay
+
+
+class FakeBinding(ModuleType):
+    """What nixl_agent.__init__ touches on the native binding, recording each agent's config."""
+
+    DEFAULT_COMM_PORT = 5555
+
+    def __init__(self) -> None:
+        super().__init__("fake_bindings")
+        self.created: list[tuple[str, Any]] = []
+
+    def nixlAgent(self, name: str, config: Any) -> str:  # noqa: N802
+        self.created.append((name, config))
+        return f"agent:{name}"
+
+
+def fake_api() -> ModuleType:
+    api = ModuleType("fake_api")
+    api.nixlBind = FakeBinding()  # type: ignore[attr-defined]
+    return api
+
+
+def agent_config(*, prog_thread: bool = True) -> SimpleNamespace:
+    # As nixl_agent.__init__ leaves it: the delay forced to 0.
+    return SimpleNamespace(useProgThread=prog_thread, pthrDelay=0)
+
+
+def test_agents_created_through_the_api_get_the_delay() -> None:
+    api = fake_api()
+    binding = api.nixlBind
+    assert install(api, 1000)
+    assert isinstance(api.nixlBind, DelayedAgentBinding)
+    config = agent_config()
+    assert api.nixlBind.nixlAgent("a", config) == "agent:a"
+    assert binding.created == [("a", config)] and config.pthrDelay == 1000
+    # Everything else is the binding's own.
+    assert api.nixlBind.DEFAULT_COMM_PORT == 5555
+
+
+def test_an_agent_without_a_progress_thread_is_left_alone() -> None:
+    api = fake_api()
+    install(api, 1000)
+    config = agent_config(prog_thread=False)
+    api.nixlBind.nixlAgent("a", config)
+    assert config.pthrDelay == 0
+
+
+def test_installing_twice_updates_the_delay_without_wrapping_twice() -> None:
+    api = fake_api()
+    install(api, 1000)
+    wrapper = api.nixlBind
+    install(api, 5000)
+    assert api.nixlBind is wrapper and wrapper.delay_us == 5000
+
+
+def test_an_api_without_the_binding_is_reported_not_broken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    api = ModuleType("newer_nixl_api")
+    assert not install(api, 1000)
+    assert not hasattr(api, "nixlBind")
+    assert DELAY_ENV in caplog.text
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", 0), ("1000", 1000)])
+def test_parse_delay(raw: str, expected: int) -> None:
+    assert parse_delay(raw) == expected
+
+
+@pytest.mark.parametrize(("raw", "match"), [("1ms", "whole number"), ("-1", ">= 0")])
+def test_a_bad_delay_names_the_variable(raw: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        parse_delay(raw)
+    assert DELAY_ENV in str(info.value)
+
+
+def test_register_does_nothing_unless_tandem_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+    imported: list[str] = []
+    monkeypatch.setattr(nixl_progress.importlib, "import_module", imported.append)
+    nixl_progress.register()
+    assert imported == []
+
+
+def test_workers_get_the_delay_and_the_ucx_option_vllm_would_have_set() -> None:
+    env = connector_env(ConnectorConfig(progress_delay_us=2000), "127.0.0.1", 5600)
+    assert env[DELAY_ENV] == "2000"
+    assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+
+
+def _cpu_share_of_process(seconds: float) -> float:
+    process = psutil.Process()
+    before, start = process.cpu_times(), time.monotonic()
+    time.sleep(seconds)
+    after = process.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    return used / (time.monotonic() - start)
+
+
+def test_a_real_idle_nixl_agent_no_longer_spins_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With NIXL's own delay of 0 the same idle agent keeps one core at ~100 %."""
+    api = importlib.import_module("nixl._api")
+    monkeypatch.setattr(api, "nixlBind", api.nixlBind)  # undone after the test
+    assert install(api, 1000)
+    agent = api.nixl_agent("tandem-test", api.nixl_agent_config(num_threads=1))
+    try:
+        share = _cpu_share_of_process(1.5)
+    finally:
+        del agent
+    assert share < 0.5, f"an idle NIXL agent used {share:.2f} of a core"
