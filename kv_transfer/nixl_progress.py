@@ -44,7 +44,7 @@ class DelayedAgentBinding:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._binding, name)
 
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - the binding's own name
+    def nixlAgent(self, name: str, config: Any) -> Any:  # the binding's own name
         if config.useProgThread:
             config.pthrDelay = self.delay_us
             log.info("NIXL agent %s: progress thread polls every %d us", name, self.delay_us)

@@ -24,7 +24,7 @@ class FakeBinding(ModuleType):
         super().__init__("fake_bindings")
         self.created: list[tuple[str, Any]] = []
 
-    def nixlAgent(self, name: str, config: Any) -> str:  # noqa: N802
+    def nixlAgent(self, name: str, config: Any) -> str:
         self.created.append((name, config))
         return f"agent:{name}"
 
