@@ -57,6 +57,15 @@ class Request:
     record_id: str | None = None
     """The ledger's key for this request when it is not the request id: the same for every
     run of an idempotent request, so it is billed once."""
+    prefill_leg_s: float | None = None
+    """Duration of the prefill leg (disaggregated requests only)."""
+    kv_blocks: int | None = None
+    """KV blocks the transfer handle offered the decode worker."""
+    kv_bytes: int | None = None
+    """Those blocks in bytes, where the model's KV geometry is known. The decode worker reads
+    fewer when it already holds a prefix of the prompt."""
+    decode_sent_at: float | None = None
+    """When the decode leg (the one whose tokens reach the client) was sent."""
     queue_wait_s: float | None = None
     """Time spent waiting for admission in the fair queue."""
     num_streamed_tokens: int = 0
@@ -113,6 +122,14 @@ class Request:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started_at
+
+    @property
+    def decode_first_token_s(self) -> float | None:
+        """From the decode leg sent to its first token relayed: on a disaggregated request the
+        KV hand-off (transfer and first decode step), on a colocated one the whole prefill."""
+        if self.first_token_at is None or self.decode_sent_at is None:
+            return None
+        return self.first_token_at - self.decode_sent_at
 
     @property
     def e2e_s(self) -> float | None:

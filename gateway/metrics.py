@@ -13,11 +13,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from admission.admitter import Admitter
+from core.messages import ServingPath
 from core.moderation import ModerationDecision
 from core.request import Request
 from workers.registry import WorkerSource
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# 1 MiB to 4 GiB: one 16-token block of a small model up to long prompts of large ones.
+_KV_BYTES_BUCKETS = tuple(float(1 << power) for power in range(20, 33))
 
 
 class GatewayMetrics:
@@ -49,6 +52,35 @@ class GatewayMetrics:
             "From request received to its end, whatever the outcome.",
             ("path",),
             buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._routes = Counter(
+            "tandem_routed_requests",
+            "Requests by the workers chosen (prefill is 'none' when it was not split) and path.",
+            ("prefill_worker", "decode_worker", "path"),
+            registry=self.registry,
+        )
+        self._prefill_leg = Histogram(
+            "tandem_prefill_leg_seconds",
+            "Duration of the prefill leg of disaggregated requests (prompt computed, KV kept).",
+            ("prefill_worker",),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._decode_first_token = Histogram(
+            "tandem_decode_first_token_seconds",
+            "From the decode leg sent to its first token: the KV hand-off (transfer and first "
+            "step) when disaggregated, the whole prefill when colocated.",
+            ("path", "decode_worker"),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._kv_bytes = Histogram(
+            "tandem_kv_handoff_bytes",
+            "KV bytes each disaggregated request's transfer handle offered the decode worker "
+            "(its blocks times the model's bytes per block).",
+            ("prefill_worker", "decode_worker"),
+            buckets=_KV_BYTES_BUCKETS,
             registry=self.registry,
         )
         self._rejections = Counter(
@@ -140,9 +172,24 @@ class GatewayMetrics:
             self._ttft.labels(path).observe(request.ttft_s)
         if request.e2e_s is not None:
             self._e2e.labels(path).observe(request.e2e_s)
+        self._observe_route(request, path)
         if request.usage is not None:
             self._tokens.labels("prompt").inc(request.usage.prompt_tokens)
             self._tokens.labels("completion").inc(request.usage.completion_tokens)
+
+    def _observe_route(self, request: Request, path: str) -> None:
+        if request.decode_worker is None:
+            return  # ended before any worker was chosen
+        prefill = request.prefill_worker or "none"
+        self._routes.labels(prefill, request.decode_worker, path).inc()
+        if request.prefill_worker is not None and request.prefill_leg_s is not None:
+            self._prefill_leg.labels(prefill).observe(request.prefill_leg_s)
+        if request.decode_first_token_s is not None:
+            self._decode_first_token.labels(path, request.decode_worker).observe(
+                request.decode_first_token_s
+            )
+        if request.kv_bytes is not None and request.path == ServingPath.DISAGGREGATED:
+            self._kv_bytes.labels(prefill, request.decode_worker).observe(request.kv_bytes)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from gateway.relay import RelayHooks, RelayStream, log_request_end, response_id
 from gateway.upstream import EngineClient, EngineStream
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig, Reason, decide
+from kv_transfer.geometry import KvGeometry
 from kv_transfer.handle import TransferHandle
 from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
 from workers.registry import Worker, WorkerSource, least_loaded, pick_by_affinity
@@ -57,6 +59,9 @@ class ServedModel:
     name."""
     deployment: str = "default"
     """The deployment serving it (a rollout arm, in time)."""
+    kv_geometry: KvGeometry | None = None
+    """Bytes per KV block on its workers, to count what each transfer hands over; None when
+    the model's shape is not known (external workers without a model folder)."""
 
 
 class ServingPipeline:
@@ -179,6 +184,7 @@ class ServingPipeline:
         if not request.stream:
             request.advance(RequestPhase.DECODING)
         try:
+            request.decode_sent_at = time.monotonic()
             return decode_worker, await call(decode_worker, leg)
         except EngineError as exc:
             if isinstance(exc, EngineTimeoutError) and not retry_timeouts:
@@ -191,6 +197,7 @@ class ServingPipeline:
             )  # fmt: skip
         request.path, request.path_reason = ServingPath.FALLBACK, Reason.DECODE_FAILED
         request.decode_worker = retry_worker.name
+        request.decode_sent_at = time.monotonic()
         return retry_worker, await call(retry_worker, colocated_body(body))
 
     async def _prepare_decode(
@@ -225,13 +232,16 @@ class ServingPipeline:
             raise RuntimeError("decide() saw a healthy prefill worker that pick found gone")
         request.prefill_worker = prefill_worker.name
         request.advance(RequestPhase.PREFILLING)
+        started = time.monotonic()
         try:
             with prefill_worker.lease():
                 prefilled = await self._engine.post_json(
                     prefill_worker, endpoint, prefill_leg_body(body), request.request_id,
                     prefill=True,
                 )  # fmt: skip
-            handle = TransferHandle.from_prefill_response(prefilled, prefill_worker.name)
+            handle = TransferHandle.from_prefill_response(
+                prefilled, prefill_worker.name, lease_s=self._decider.kv_lease_s
+            )
         except EngineError as exc:
             log.warning(
                 "request %s: prefill on %s failed (%s); serving it colocated on %s",
@@ -239,6 +249,19 @@ class ServingPipeline:
             )  # fmt: skip
             request.path, request.path_reason = ServingPath.FALLBACK, Reason.PREFILL_FAILED
             return decode_worker, colocated_body(body)
+        request.prefill_leg_s = time.monotonic() - started
+        if handle.expired():
+            log.warning(
+                "request %s: the KV on %s expired before leg 2; serving it colocated on %s",
+                request.request_id, prefill_worker.name, decode_worker.name,
+            )  # fmt: skip
+            request.path, request.path_reason = ServingPath.FALLBACK, Reason.KV_EXPIRED
+            return decode_worker, colocated_body(body)
+        request.kv_blocks = handle.num_blocks
+        served = self._models_by_name.get(request.model)
+        geometry = served.kv_geometry if served else None
+        if geometry is not None:
+            request.kv_bytes = geometry.bytes_of(handle.num_blocks)
         # The decode worker pulls the KV when it schedules leg 2; the phase records the hand-off.
         request.advance(RequestPhase.KV_TRANSFERRING)
         return decode_worker, decode_leg_body(body, handle)

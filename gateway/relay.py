@@ -240,16 +240,24 @@ def response_id(endpoint: Endpoint, request: Request) -> str:
     return f"{prefix}-{request.request_id}"
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"
+
+
 def log_request_end(request: Request) -> None:
     """One line per finished request: path, workers, latency and tokens."""
     usage = request.usage
     log.info(
-        "request %s %s path=%s prefill=%s decode=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
+        "request %s %s path=%s prefill=%s decode=%s prefill_leg=%s kv_bytes=%s "
+        "decode_first_token=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
         request.request_id,
         request.phase.name.lower(),
         request.path,
         request.prefill_worker,
         request.decode_worker,
+        _seconds(request.prefill_leg_s),
+        request.kv_bytes,
+        _seconds(request.decode_first_token_s),
         request.ttft_s or 0.0,
         request.e2e_s or 0.0,
         usage.prompt_tokens if usage else "?",

@@ -34,6 +34,7 @@ from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
+from kv_transfer.geometry import KvGeometry
 from moderation.remote import RemoteProviderConfig
 from moderation.stream import StreamConfig
 from prefill_pool import PrefillPool, prefill_worker_specs
@@ -112,6 +113,7 @@ class Stack:
             host=settings.worker_host,
             max_model_len=settings.max_model_len,
             kv_cache_gib=settings.kv_cache_gib,
+            block_size=settings.kv_block_size,
             enforce_eager=settings.enforce_eager,
             dtype=settings.dtype,
             connector=ConnectorConfig(
@@ -151,13 +153,17 @@ class Stack:
             )
         )
         version = settings.model_version or (prepared.path.name if prepared else name)
-        return cls(
-            settings,
-            prefill,
-            decode,
-            ServedModel(name, max_len, int(time.time()), version, settings.deployment),
-            prepared.path if prepared else None,
+        geometry = (
+            KvGeometry.of_model_dir(
+                prepared.path, dtype=settings.dtype, block_size=settings.kv_block_size
+            )
+            if prepared
+            else None
         )
+        model = ServedModel(
+            name, max_len, int(time.time()), version, settings.deployment, kv_geometry=geometry
+        )
+        return cls(settings, prefill, decode, model, prepared.path if prepared else None)
 
     async def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Launch every managed worker and wait until all workers are healthy."""
@@ -192,7 +198,10 @@ class Stack:
             deadlines=DeadlineConfig(
                 default_s=settings.request_timeout_s, max_s=settings.max_request_timeout_s
             ),
-            decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
+            decider=DeciderConfig(
+                min_prompt_tokens=settings.disaggregate_min_prompt_tokens,
+                kv_lease_s=settings.kv_lease_s,
+            ),
             access=access_config(settings, self.model_dir),
             moderation=moderation_setup(settings),
             idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),

@@ -28,6 +28,7 @@ class Reason(enum.StrEnum):
     NO_HEALTHY_PREFILL = "no_healthy_prefill"
     PREFILL_FAILED = "prefill_failed"
     DECODE_FAILED = "decode_failed"  # the decode leg failed before its first byte; re-run
+    KV_EXPIRED = "kv_expired"  # the prefill worker's lease on the KV ran out before leg 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ class DeciderConfig:
     affinity_max_extra_load: int = 2
     """How many more in-flight requests than the least-loaded prefill worker the preferred one
     may have before load wins over cache affinity."""
+    kv_lease_s: float = 10.0
+    """How long prefill workers keep KV nobody read (``ConnectorConfig.kv_lease_s``): a
+    handle older than this is not sent to a decode worker, which would recompute anyway."""
 
 
 @dataclass(frozen=True, slots=True)

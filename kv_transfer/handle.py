@@ -7,6 +7,7 @@ gets the worker's own parameters, unchanged, since vLLM may add fields Tandem do
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,10 @@ class TransferHandle:
     """KV block ids, one tuple per KV-cache group (older vLLM sends one flat list)."""
     num_tokens: int | None
     """Prompt tokens whose KV is held (``remote_num_tokens``), when reported."""
+    expires_at: float
+    """``time.monotonic()`` after which the prefill worker may have freed the blocks (its KV
+    lease, counted from when the leg-1 answer arrived); the decode worker renews the lease
+    once it starts reading."""
     params: Mapping[str, Any]
     """The worker's ``kv_transfer_params`` as received: what leg 2 carries."""
 
@@ -35,9 +40,15 @@ class TransferHandle:
     def num_blocks(self) -> int:
         return sum(len(group) for group in self.block_ids)
 
+    def expired(self) -> bool:
+        return time.monotonic() >= self.expires_at
+
     @classmethod
-    def from_prefill_response(cls, response: Mapping[str, Any], worker_name: str) -> TransferHandle:
-        """Check and parse a leg-1 response, or raise ``EngineError`` naming what is wrong.
+    def from_prefill_response(
+        cls, response: Mapping[str, Any], worker_name: str, *, lease_s: float
+    ) -> TransferHandle:
+        """Check and parse a leg-1 response that just arrived from a worker holding KV for
+        ``lease_s``, or raise ``EngineError`` naming what is wrong.
 
         Forwarding a malformed handle would make the decode worker fail later, with a far less
         helpful message; an ``EngineError`` here lets the gateway fall back instead.
@@ -65,6 +76,7 @@ class TransferHandle:
                 port=int(params["remote_port"]),
                 block_ids=_block_groups(params["remote_block_ids"]),
                 num_tokens=_optional_int(params.get("remote_num_tokens")),
+                expires_at=time.monotonic() + lease_s,
                 params=dict(params),
             )
         except (TypeError, ValueError) as exc:

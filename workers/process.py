@@ -47,6 +47,8 @@ class LaunchConfig:
     max_model_len: int | None = None
     """Context window cap (``--max-model-len``); None keeps the model's own."""
     kv_cache_gib: int = 1
+    block_size: int | None = None
+    """Tokens per KV block (``--block-size``); None keeps vLLM's choice."""
     """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM parses it as an int)."""
     enforce_eager: bool = False
     """Skip graph compilation (``--enforce-eager``): boots in ~half the time, decodes slower."""
@@ -134,6 +136,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--max-model-len", str(launch.max_model_len)]
     if launch.enforce_eager:
         argv.append("--enforce-eager")
+    if launch.block_size is not None:
+        argv += ["--block-size", str(launch.block_size)]
     if launch.dtype != "auto":
         argv += ["--dtype", launch.dtype]
     # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the

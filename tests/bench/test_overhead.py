@@ -162,7 +162,7 @@ async def test_prefill_leg_answers_a_usable_transfer_handle(fake: tuple[FakeVllm
     async with aiohttp.ClientSession() as session:
         async with session.post(url + CHAT, json=leg1) as response:
             answer = await response.json()
-        handle = TransferHandle.from_prefill_response(answer, "fake")  # the gateway's own check
+        handle = TransferHandle.from_prefill_response(answer, "fake", lease_s=10)  # the gateway's own check
         assert handle.engine_id == engine.engine_id and handle.num_blocks == 1
         assert all(answer["kv_transfer_params"][key] is not None for key in REQUIRED_REMOTE_KEYS)
         assert answer["choices"][0]["finish_reason"] == "length"
@@ -179,7 +179,7 @@ async def test_prefill_leg_answers_a_usable_transfer_handle(fake: tuple[FakeVllm
     assert (engine.stats.prefill_legs, engine.stats.decode_legs) == (1, 2)
     assert engine.stats.kv_failures == 1
     with pytest.raises(EngineError):
-        TransferHandle.from_prefill_response({"kv_transfer_params": None}, "fake")
+        TransferHandle.from_prefill_response({"kv_transfer_params": None}, "fake", lease_s=10)
 
 
 async def test_metrics_health_models_and_a_client_leaving(fake: tuple[FakeVllm, str]) -> None:

@@ -69,7 +69,7 @@ def test_prefill_killed_between_the_legs_decode_recomputes(live_stack: LiveStack
     leg1 = httpx.post(
         f"{live_stack.prefill_url}/v1/chat/completions", json=prefill_leg_body(body), timeout=60
     )
-    handle = TransferHandle.from_prefill_response(leg1.json(), "prefill")
+    handle = TransferHandle.from_prefill_response(leg1.json(), "prefill", lease_s=10)
     kill_worker(live_stack.prefill_url)
     wait_down(live_stack)
     before = prompt_tokens_by_source(live_stack.decode_url)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from core.errors import EngineError
@@ -41,7 +43,7 @@ def test_prefill_leg_asks_for_one_unstreamed_token_and_keeps_kv() -> None:
 def test_decode_leg_carries_the_workers_params_unchanged() -> None:
     body = {"model": "m", "min_tokens": 3, "stream": True}
     extra = {**HANDLE, "tp_size": 1, "transfer_mode": "pull"}  # fields Tandem does not parse
-    handle = TransferHandle.from_prefill_response({"kv_transfer_params": extra}, "p0")
+    handle = TransferHandle.from_prefill_response({"kv_transfer_params": extra}, "p0", lease_s=10)
     leg = decode_leg_body(body, handle)
     assert leg["kv_transfer_params"] == extra
     assert leg["min_tokens"] == 3 and leg["stream"] is True
@@ -53,17 +55,25 @@ def test_colocated_body_drops_client_supplied_kv_params() -> None:
 
 
 def test_handle_is_parsed() -> None:
+    before = time.monotonic()
     handle = TransferHandle.from_prefill_response(
-        {"kv_transfer_params": {**HANDLE, "remote_num_tokens": 40}}, "p0"
+        {"kv_transfer_params": {**HANDLE, "remote_num_tokens": 40}}, "p0", lease_s=10
     )
     assert (handle.engine_id, handle.host, handle.port) == ("e1", "localhost", 5600)
     assert handle.block_ids == ((1, 2),)
     assert handle.num_blocks == 2
     assert handle.num_tokens == 40
+    assert before + 10 <= handle.expires_at <= time.monotonic() + 10
+    assert not handle.expired()
     flat = TransferHandle.from_prefill_response(
-        {"kv_transfer_params": {**HANDLE, "remote_block_ids": [4, 5, 6]}}, "p0"
+        {"kv_transfer_params": {**HANDLE, "remote_block_ids": [4, 5, 6]}}, "p0", lease_s=10
     )
     assert flat.block_ids == ((4, 5, 6),)
+
+
+def test_a_handle_past_its_lease_is_expired() -> None:
+    handle = TransferHandle.from_prefill_response({"kv_transfer_params": HANDLE}, "p0", lease_s=0)
+    assert handle.expired()
 
 
 @pytest.mark.parametrize(
@@ -78,7 +88,7 @@ def test_handle_is_parsed() -> None:
 )
 def test_malformed_handles_are_refused(params: object, match: str) -> None:
     with pytest.raises(EngineError, match=match):
-        TransferHandle.from_prefill_response({"kv_transfer_params": params}, "p0")
+        TransferHandle.from_prefill_response({"kv_transfer_params": params}, "p0", lease_s=10)
 
 
 def test_connector_config_per_role() -> None:
