@@ -90,13 +90,15 @@ async def make_fake_stack(
     num_prefill: int = 1,
     access: AccessConfig | None = None,
     gateway: dict[str, Any] | None = None,
+    model: ServedModel | None = None,
     **upstream: float,
 ) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
 
     ``prefill``/``decode`` are the first engines of each role; all are in ``prefills``/``decodes``.
     Tenants live in a throwaway SQLite file unless ``access`` says otherwise; the admin key is
-    ``ADMIN_KEY``. ``gateway`` replaces other ``GatewayConfig`` fields.
+    ``ADMIN_KEY``. ``gateway`` replaces other ``GatewayConfig`` fields; ``model`` replaces the
+    served model (``MODEL``, 256 tokens of context).
     """
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     prefills = [
@@ -150,7 +152,7 @@ async def make_fake_stack(
         ),
     )
     config = dataclasses.replace(config, **(gateway or {}))
-    app = create_app(config, pools[0], pools[1], [ServedModel(MODEL, 256, 0)])
+    app = create_app(config, pools[0], pools[1], [model or ServedModel(MODEL, 256, 0)])
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")

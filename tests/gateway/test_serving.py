@@ -10,6 +10,9 @@ import httpx
 import openai
 import pytest
 
+from gateway.pipeline import ServedModel
+from kv_transfer.decider import DeciderConfig
+from kv_transfer.geometry import KvGeometry
 from tests.gateway.conftest import MODEL, FakeStack, make_fake_stack, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -157,6 +160,23 @@ async def test_prefill_failure_falls_back_to_colocated(fake_stack: FakeStack) ->
     )
 
 
+async def test_a_handle_past_its_lease_is_not_forwarded() -> None:
+    decider = DeciderConfig(min_prompt_tokens=0, kv_lease_s=0)
+    async with make_fake_stack(gateway={"decider": decider}) as stack:
+        completion = await stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=3
+        )
+        [leg2] = stack.decode.stats.requests
+        metrics = await _metrics(stack)
+    assert completion.choices[0].finish_reason == "length"
+    assert "kv_transfer_params" not in leg2["body"]
+    assert stack.decode.stats.num_local_prefills == 1
+    assert (
+        'tandem_requests_total{outcome="finished",path="fallback",reason="kv_expired"} 1.0'
+        in metrics
+    )
+
+
 async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack) -> None:
     await fake_stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
     await fake_stack.client.chat.completions.create(
@@ -183,6 +203,41 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
         r'^tandem_worker_kv_transfers_total\{worker="decode-ext-0",role="decode"\} 1\.0$',
         metrics,
         re.M,
+    )
+
+
+async def test_metrics_say_which_workers_served_and_what_the_hand_off_cost() -> None:
+    # 2 layers x 1 KV head x 4 dims x 4 bytes, K and V: 64 bytes a token, 1 KiB a 16-token block.
+    geometry = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=4, block_size=16)
+    async with make_fake_stack(model=ServedModel(MODEL, 256, 0, kv_geometry=geometry)) as stack:
+        await stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+        [leg1] = stack.prefill.stats.requests
+        [leg2] = stack.decode.stats.requests
+        num_blocks = len(leg2["body"]["kv_transfer_params"]["remote_block_ids"][0])
+        assert num_blocks >= 1 and leg1["body"]["max_tokens"] == 1
+        # n > 1 runs colocated (this stack splits everything else).
+        await stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=2, n=2
+        )
+        metrics = await _metrics(stack)
+    routes = "tandem_routed_requests_total"
+    assert (
+        f'{routes}{{decode_worker="decode-ext-0",path="disaggregated",prefill_worker="prefill-ext-0"}}'
+        " 1.0" in metrics
+    )
+    assert (
+        f'{routes}{{decode_worker="decode-ext-0",path="colocated",prefill_worker="none"}} 1.0'
+        in metrics
+    )
+    assert 'tandem_prefill_leg_seconds_count{prefill_worker="prefill-ext-0"} 1.0' in metrics
+    for path in ("disaggregated", "colocated"):
+        assert (
+            f'tandem_decode_first_token_seconds_count{{decode_worker="decode-ext-0",path="{path}"}}'
+            " 1.0" in metrics
+        )
+    assert (
+        'tandem_kv_handoff_bytes_sum{decode_worker="decode-ext-0",prefill_worker="prefill-ext-0"} '
+        f"{float(num_blocks * 1024)}" in metrics
     )
 
 
