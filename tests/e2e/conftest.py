@@ -35,6 +35,8 @@ class LiveStack:
     decode_url: str
     max_model_len: int
     api_key: str  # a key of the unlimited ``e2e`` tenant, created through the admin API
+    log_dir: Path | None = None  # each worker's log, <role>-<i>.log
+    pid: int = 0  # of ``tandem up``: the workers are its children
 
     @property
     def admin(self) -> httpx.Client:
@@ -110,7 +112,10 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     api_key = stack.new_tenant("e2e")
     models = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     model = models.json()["data"][0]["id"]
-    yield LiveStack(gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN, api_key)
+    yield LiveStack(
+        gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN, api_key,
+        log_dir=workdir / "logs", pid=process.pid,
+    )  # fmt: skip
 
     # Collected now, not at boot: workers restarted during the session must not linger either.
     descendants = psutil.Process(process.pid).children(recursive=True)

@@ -4,10 +4,12 @@ worker over NIXL: read from the workers' own counters, not from anything the gat
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.e2e.conftest import LiveStack
@@ -113,3 +115,60 @@ def test_gateway_reexports_the_workers_transfer_and_cache_counters(
         re.M,
     )
     assert queries and float(queries.group(1)) > 0
+
+
+def _sample_sum(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.e+-]+)$"
+    return sum(float(value) for value in re.findall(pattern, text, re.M))
+
+
+def test_the_gateway_counts_the_kv_bytes_the_decode_worker_read(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    """Per request, the gateway prices the transfer handle (its blocks x the model's bytes per
+    block); vLLM counts only per worker. For a prompt nobody has seen the two must agree."""
+    words = uuid.uuid4().hex + " " + "a stitch in time saves nine, said the tailor " * 40
+    gateway_before = _sample_sum(live_stack.base_url, "tandem_kv_handoff_bytes_sum")
+    engine_before = _sample_sum(live_stack.decode_url, "vllm:nixl_bytes_transferred_sum")
+
+    client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": f"Repeat these words: {words}"}],
+        max_tokens=4,
+    )
+
+    gateway_bytes = _sample_sum(live_stack.base_url, "tandem_kv_handoff_bytes_sum") - gateway_before
+    # vLLM publishes connector stats on its logging interval, not when the transfer ends.
+    deadline = time.monotonic() + 15
+    engine_bytes = 0.0
+    while time.monotonic() < deadline and engine_bytes < gateway_bytes:
+        time.sleep(0.5)
+        engine_bytes = (
+            _sample_sum(live_stack.decode_url, "vllm:nixl_bytes_transferred_sum") - engine_before
+        )
+    assert gateway_bytes > 0
+    assert engine_bytes == gateway_bytes
+
+
+def test_idle_workers_leave_the_cores_alone(live_stack: LiveStack) -> None:
+    """NIXL's progress thread busy-polls one core per worker unless Tandem's vLLM plugin gives
+    it a poll timeout (kv_transfer/nixl_progress.py)."""
+    assert live_stack.log_dir is not None
+    for role in ("prefill", "decode"):
+        log = (live_stack.log_dir / f"{role}-0.log").read_text(errors="replace")
+        assert "progress thread polls every 1000 us" in log, f"plugin not loaded on {role}-0"
+    workers = psutil.Process(live_stack.pid).children(recursive=True)
+    before = {p.pid: p.cpu_times() for p in workers}
+    time.sleep(3)
+    used = 0.0
+    for process in workers:
+        try:
+            after = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        used += (after.user - before[process.pid].user) + (
+            after.system - before[process.pid].system
+        )
+    # Spinning, two idle workers use two whole cores; polling every millisecond, a few percent.
+    assert used / 3 < 0.5, f"idle workers used {used / 3:.2f} cores"

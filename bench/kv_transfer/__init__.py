@@ -1,0 +1,11 @@
+"""What moving KV between workers costs, and what routing and disaggregation buy.
+
+    python -m bench.kv_transfer --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    python -m bench.kv_transfer affinity --prefill URL --prefill URL2 [...]
+
+Runs against live workers (``tandem up``), talking to them directly with the gateway's own two
+legs and routing functions, so the figures are the engines' and not the gateway's. The first
+form measures transfer cost, TTFT split vs colocated, prefill interference and idle CPU
+(``transfer.py``); ``affinity`` measures prefix-cache hits with several prefill workers
+(``affinity.py``).
+"""
