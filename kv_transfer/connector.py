@@ -34,6 +34,9 @@ class ConnectorConfig:
     yet. Decode renews the lease while it reads (every lease/6), so this bounds only abandoned
     KV: a client gone between the legs frees the prefill worker's blocks after this long.
     vLLM's default is 30 s; both roles must agree."""
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backends, in order of preference (vLLM's default is UCX alone; GPU clusters may add
+    e.g. ``GDS`` or ``LIBFABRIC``)."""
     progress_delay_us: int = 1000
     """Poll timeout of NIXL's UCX progress thread, in µs (``kv_transfer.nixl_progress``).
     NIXL's own is 0, a busy poll that keeps a core at 100 % on every idle worker; the thread is
@@ -50,7 +53,10 @@ def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, A
         "kv_role": _ROLE_TO_KV_ROLE[role],
         "kv_buffer_device": config.buffer_device.value,
         "kv_load_failure_policy": config.load_failure_policy,
-        "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s},
+        "kv_connector_extra_config": {
+            "kv_lease_duration": config.kv_lease_s,
+            "backends": list(config.backends),
+        },
     }
 
 

@@ -162,7 +162,9 @@ async def test_prefill_leg_answers_a_usable_transfer_handle(fake: tuple[FakeVllm
     async with aiohttp.ClientSession() as session:
         async with session.post(url + CHAT, json=leg1) as response:
             answer = await response.json()
-        handle = TransferHandle.from_prefill_response(answer, "fake", lease_s=10)  # the gateway's own check
+        handle = TransferHandle.from_prefill_response(
+            answer, "fake", lease_s=10
+        )  # the gateway's own check
         assert handle.engine_id == engine.engine_id and handle.num_blocks == 1
         assert all(answer["kv_transfer_params"][key] is not None for key in REQUIRED_REMOTE_KEYS)
         assert answer["choices"][0]["finish_reason"] == "length"

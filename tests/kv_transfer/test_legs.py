@@ -98,7 +98,7 @@ def test_connector_config_per_role() -> None:
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kv_lease_duration": 10},
+        "kv_connector_extra_config": {"kv_lease_duration": 10, "backends": ["UCX"]},
     }
     gpu = ConnectorConfig(buffer_device=KvBufferDevice.CUDA)
     assert kv_transfer_config(WorkerRole.DECODE, gpu)["kv_role"] == "kv_consumer"

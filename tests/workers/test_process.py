@@ -96,7 +96,8 @@ def test_prefill_and_decode_command_lines() -> None:
         kv_cache_gib=2,
         enforce_eager=True,
         dtype="float32",
-        connector=ConnectorConfig(),
+        block_size=128,
+        connector=ConnectorConfig(progress_delay_us=2000),
         extra_env={"HF_HUB_OFFLINE": "0"},
     )
     (prefill,) = prefill_worker_specs(
@@ -116,12 +117,13 @@ def test_prefill_and_decode_command_lines() -> None:
     assert "--enforce-eager" in argv
     assert "--enable-prompt-tokens-details" in argv  # cached prompt tokens reach the ledger
     assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv[argv.index("--block-size") + 1] == "128"  # the gateway counts KV bytes with it
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kv_lease_duration": 10},
+        "kv_connector_extra_config": {"kv_lease_duration": 10, "backends": ["UCX"]},
     }
     assert (
         json.loads(worker_argv(decode_1)[worker_argv(decode_1).index("--kv-transfer-config") + 1])[
@@ -140,6 +142,7 @@ def test_prefill_and_decode_command_lines() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["HF_HUB_OFFLINE"] == "0"  # extra_env wins over Tandem's own settings
+    assert env["TANDEM_NIXL_PROGRESS_DELAY_US"] == "2000"  # read by kv_transfer.nixl_progress
     assert worker_env(decode_0)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert worker_env(decode_1)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "6201"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in worker_env(decode_1)  # past the end of cpu_binds
@@ -157,6 +160,7 @@ def test_optional_flags_are_left_out() -> None:
     argv = worker_argv(spec)
     assert "--max-model-len" not in argv
     assert "--enforce-eager" not in argv
+    assert "--block-size" not in argv
     assert worker_env(spec)["HF_HUB_OFFLINE"] == "1"
 
 
