@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -180,30 +180,37 @@ class ServingPipeline:
         gone, stalled transfer) or a decode worker that just died; nothing was sent to the
         client yet, so a retry cannot duplicate output.
         """
-        decode_worker, leg = await self._prepare_decode(endpoint, body, request)
+        decode_worker, leg, kv_source = await self._prepare_decode(endpoint, body, request)
         if not request.stream:
             request.advance(RequestPhase.DECODING)
         try:
             request.decode_sent_at = time.monotonic()
-            return decode_worker, await call(decode_worker, leg)
+            attempt = call(decode_worker, leg)
+            if kv_source is not None:
+                attempt = _unless_worker_lost(attempt, kv_source, self._decider.kv_source_check_s)
+            return decode_worker, await attempt
         except EngineError as exc:
             if isinstance(exc, EngineTimeoutError) and not retry_timeouts:
                 raise
+            reason = (
+                Reason.PREFILL_LOST if isinstance(exc, KvSourceLostError) else Reason.DECODE_FAILED
+            )
             retry_worker = _pick_other(self._decode, decode_worker) or decode_worker
             log.warning(
                 "request %s: decode on %s failed before the first byte (%s); re-running it "
                 "colocated on %s", request.request_id, decode_worker.name, exc.message,
                 retry_worker.name,
             )  # fmt: skip
-        request.path, request.path_reason = ServingPath.FALLBACK, Reason.DECODE_FAILED
+        request.path, request.path_reason = ServingPath.FALLBACK, reason
         request.decode_worker = retry_worker.name
         request.decode_sent_at = time.monotonic()
         return retry_worker, await call(retry_worker, colocated_body(body))
 
     async def _prepare_decode(
         self, endpoint: Endpoint, body: dict[str, Any], request: Request
-    ) -> tuple[Worker, dict[str, Any]]:
-        """Pick workers, run the prefill leg when disaggregating; return the decode leg.
+    ) -> tuple[Worker, dict[str, Any], Worker | None]:
+        """Pick workers, run the prefill leg when disaggregating; return the decode worker, its
+        leg and the prefill worker holding the leg's KV (None when colocated).
 
         A prefill side that is down or fails (5xx, unreachable, timeout) is not the client's
         problem: the request falls back to colocated serving on the decode worker. A 400 from
@@ -220,7 +227,7 @@ class ServingPipeline:
         )
         request.path, request.path_reason = decision.path, decision.reason
         if decision.path is not ServingPath.DISAGGREGATED:
-            return decode_worker, colocated_body(body)
+            return decode_worker, colocated_body(body), None
         # Only split requests pay for the affinity key. No await since the health check above,
         # so a healthy prefill worker is still there.
         prefill_worker = pick_by_affinity(
@@ -248,7 +255,7 @@ class ServingPipeline:
                 request.request_id, prefill_worker.name, exc.message, decode_worker.name,
             )  # fmt: skip
             request.path, request.path_reason = ServingPath.FALLBACK, Reason.PREFILL_FAILED
-            return decode_worker, colocated_body(body)
+            return decode_worker, colocated_body(body), None
         request.prefill_leg_s = time.monotonic() - started
         if handle.expired():
             log.warning(
@@ -256,7 +263,7 @@ class ServingPipeline:
                 request.request_id, prefill_worker.name, decode_worker.name,
             )  # fmt: skip
             request.path, request.path_reason = ServingPath.FALLBACK, Reason.KV_EXPIRED
-            return decode_worker, colocated_body(body)
+            return decode_worker, colocated_body(body), None
         request.kv_blocks = handle.num_blocks
         served = self._models_by_name.get(request.model)
         geometry = served.kv_geometry if served else None
@@ -264,7 +271,7 @@ class ServingPipeline:
             request.kv_bytes = geometry.bytes_of(handle.num_blocks)
         # The decode worker pulls the KV when it schedules leg 2; the phase records the hand-off.
         request.advance(RequestPhase.KV_TRANSFERRING)
-        return decode_worker, decode_leg_body(body, handle)
+        return decode_worker, decode_leg_body(body, handle), prefill_worker
 
     def _observe_end(self, request: Request) -> None:
         log_request_end(request)
@@ -300,6 +307,36 @@ def _pick(pool: WorkerSource, role: str) -> Worker:
             retry_after_s=_NO_WORKER_RETRY_AFTER_S,
         )
     return worker
+
+
+class KvSourceLostError(EngineError):
+    """The prefill worker holding a decode leg's KV went down before the leg answered."""
+
+
+async def _unless_worker_lost(attempt: Awaitable[T], kv_source: Worker, check_s: float) -> T:
+    """``attempt``, unless ``kv_source`` leaves rotation first: then it is cancelled (closing
+    the connection aborts the decode worker's request) and ``KvSourceLostError`` raised.
+
+    A decode worker reading KV from a dead peer gives up on its own only after its NIXL
+    timeouts (seen here: 20 ms to 108 s); the gateway knows sooner, from its health checks or
+    the worker's process exit, and can re-run the request colocated at once.
+    """
+    task = asyncio.ensure_future(attempt)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=check_s)
+            if done:
+                return task.result()
+            if not kv_source.healthy:
+                raise KvSourceLostError(
+                    f"prefill worker {kv_source.name} went down before the decode worker "
+                    "read its KV"
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError, EngineError):
+                await task
 
 
 def _pick_other(pool: WorkerSource, failed: Worker) -> Worker | None:

@@ -29,6 +29,9 @@ class Reason(enum.StrEnum):
     PREFILL_FAILED = "prefill_failed"
     DECODE_FAILED = "decode_failed"  # the decode leg failed before its first byte; re-run
     KV_EXPIRED = "kv_expired"  # the prefill worker's lease on the KV ran out before leg 2
+    PREFILL_LOST = (
+        "prefill_lost"  # the prefill worker holding the KV went down before leg 2 read it
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class DeciderConfig:
     affinity_max_extra_load: int = 2
     """How many more in-flight requests than the least-loaded prefill worker the preferred one
     may have before load wins over cache affinity."""
+    kv_source_check_s: float = 0.2
+    """How often a decode leg waiting for its first byte checks that the prefill worker holding
+    its KV is still in rotation; when it is not, the request is re-run colocated at once."""
     kv_lease_s: float = 10.0
     """How long prefill workers keep KV nobody read (``ConnectorConfig.kv_lease_s``): a
     handle older than this is not sent to a decode worker, which would recompute anyway."""

@@ -395,6 +395,39 @@ async def test_stalled_first_byte_is_rerun_on_another_decode_worker() -> None:
         await wait_until(lambda: stalled.stats.num_aborted == 1)  # the stalled leg was dropped
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_prefill_worker_lost_during_the_hand_off_is_not_waited_for(stream: bool) -> None:
+    """The decode worker would wait out its NIXL timeouts on the dead peer (here: the 30 s
+    first-byte timeout); the gateway sees the prefill worker leave rotation and re-runs the
+    request colocated at once."""
+    async with make_fake_stack(num_decode=2, first_byte_timeout_s=30) as stack:
+        reading, other = stack.decodes
+        reading.first_token_delay_s = 30  # stuck reading KV from the prefill worker
+
+        async def lose_prefill_after_leg_1() -> None:
+            await wait_until(lambda: len(reading.stats.requests) == 1)
+            stack.prefill.healthy = False
+
+        loser = asyncio.create_task(lose_prefill_after_leg_1())
+        completion = await stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=3, stream=stream
+        )
+        if stream:
+            assert isinstance(completion, openai.AsyncStream)
+            text = "".join(
+                [c.choices[0].delta.content or "" async for c in completion if c.choices]
+            )
+        else:
+            text = completion.choices[0].message.content or ""
+        await loser
+        assert text
+        [rerun] = other.stats.requests
+        assert "kv_transfer_params" not in rerun["body"], "the re-run is colocated"
+        await wait_until(lambda: reading.stats.num_aborted == 1)  # the stuck leg was dropped
+        metrics = await _metrics(stack)
+    assert 'path="fallback",reason="prefill_lost"} 1.0' in metrics
+
+
 async def test_non_streaming_timeout_is_not_retried() -> None:
     async with make_fake_stack(decode_idle_timeout_s=0.5) as stack:
         stack.decode.first_token_delay_s = 30
