@@ -2,7 +2,8 @@
 
 ``groups`` system prompts (each a shared prefix of ``prefix_tokens``) are asked
 ``per_group`` distinct questions each, interleaved across groups, ``concurrency`` at a time,
-as the gateway's prefill legs. The worker is chosen by the gateway's own policy
+each a one-token prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here
+to release it, and blocks held for the lease would crowd the cache). The worker is chosen by the gateway's own policy
 (``kv_transfer.affinity.prefix_key`` and ``workers.registry.pick_by_affinity`` with
 ``DeciderConfig``'s defaults, in-flight counts included) or by round robin, as vLLM's reference
 proxy does. Hits and queries are the workers' own ``vllm:prefix_cache_*`` counters. Each policy
@@ -22,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.kv_transfer.common import filler_of, metric_sum, percentile, prefill_leg
+from bench.kv_transfer.common import filler_of, metric_sum, percentile
 from core.messages import WorkerRole
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig
@@ -136,7 +137,9 @@ async def run_policy(
             counts[worker.name] += 1
             with worker.lease():
                 start = time.perf_counter()
-                await prefill_leg(session, worker.base_url, body)
+                async with session.post(f"{worker.base_url}/v1/chat/completions", json=body) as r:
+                    r.raise_for_status()
+                    await r.read()
                 latencies.append(time.perf_counter() - start)
 
     await asyncio.gather(*(send(body) for body in requests))
