@@ -1,10 +1,10 @@
 """Prefix-cache hits on several prefill workers: Tandem's affinity routing vs round robin.
 
-``groups`` system prompts (each a shared prefix of ``prefix_tokens``) are asked
-``per_group`` distinct questions each, interleaved across groups, ``concurrency`` at a time,
-each a one-token prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here
-to release it, and blocks held for the lease would crowd the cache). The worker is chosen by the gateway's own policy
-(``kv_transfer.affinity.prefix_key`` and ``workers.registry.pick_by_affinity`` with
+``groups`` system prompts (each a shared prefix of ``prefix_tokens``) are asked ``per_group``
+distinct questions each, interleaved across groups, ``concurrency`` at a time, each a one-token
+prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here to release it,
+and blocks held for the lease would crowd the cache). The worker is chosen by the gateway's own
+policy (``kv_transfer.affinity.prefix_key`` and ``workers.registry.pick_by_affinity`` with
 ``DeciderConfig``'s defaults, in-flight counts included) or by round robin, as vLLM's reference
 proxy does. Hits and queries are the workers' own ``vllm:prefix_cache_*`` counters. Each policy
 gets fresh system prompts, so neither inherits the other's cache.
