@@ -28,6 +28,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     hits.add_argument("--prefix-tokens", type=int, default=512)
     hits.add_argument("--question-tokens", type=int, default=32)
     hits.add_argument("--concurrency", type=int, default=4)
+    hits.add_argument("--seed", type=int, default=0, help="fixes the order of the requests")
     return parser.parse_args(argv)
 
 
@@ -37,7 +38,7 @@ async def run(args: argparse.Namespace) -> None:
             urls = [url.rstrip("/") for url in args.prefills]
             load = affinity.Workload(
                 args.groups, args.per_group, args.prefix_tokens, args.question_tokens,
-                args.concurrency,
+                args.concurrency, args.seed,
             )  # fmt: skip
             await affinity.run(session, urls, await served_model(session, urls[0]), load)
             return

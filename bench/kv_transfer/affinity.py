@@ -1,19 +1,23 @@
 """Prefix-cache hits on several prefill workers: Tandem's affinity routing vs round robin.
 
 ``groups`` system prompts (each a shared prefix of ``prefix_tokens``) are asked ``per_group``
-distinct questions each, interleaved across groups, ``concurrency`` at a time, each a one-token
-prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here to release it,
+distinct questions each, in an order shuffled by ``seed``, ``concurrency`` at a time, each a
+one-token prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here to release it,
 and blocks held for the lease would crowd the cache). The worker is chosen by the gateway's own
 policy (``kv_transfer.affinity.prefix_key`` and ``workers.registry.pick_by_affinity`` with
 ``DeciderConfig``'s defaults, in-flight counts included) or by round robin, as vLLM's reference
 proxy does. Hits and queries are the workers' own ``vllm:prefix_cache_*`` counters. Each policy
-gets fresh system prompts, so neither inherits the other's cache.
+gets fresh system prompts, so neither inherits the other's cache. Every worker first serves
+``concurrency`` requests at once, twice, unmeasured: a compiled vLLM worker compiles the shape of
+a batch it has not seen, and a first run stalled one worker for three minutes on a batch of
+three.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import statistics
 import time
 import uuid
@@ -39,6 +43,7 @@ class Workload:
     prefix_tokens: int
     question_tokens: int
     concurrency: int
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,26 +97,52 @@ def round_robin_policy() -> Policy:
 async def bodies(
     session: aiohttp.ClientSession, url: str, model: str, load: Workload
 ) -> list[dict[str, Any]]:
-    """The requests in sending order: group 0's first question, group 1's first, ..."""
+    """The requests in sending order: every group's questions, shuffled."""
     prefix_filler = await filler_of(session, url, model, load.prefix_tokens)
     question_filler = await filler_of(session, url, model, load.question_tokens)
     systems = [
         f"{uuid.uuid4().hex} You are assistant number {g}. {prefix_filler}"
         for g in range(load.groups)
     ]
-    return [
-        {
-            "model": model,
-            "messages": [
-                {"role": "system", "content": systems[group]},
-                {"role": "user", "content": f"Question {uuid.uuid4().hex}: {question_filler}"},
-            ],
-            "max_tokens": 1,
-            "temperature": 0,
-        }
+    requests = [
+        one_token(model, systems[group], f"Question {uuid.uuid4().hex}: {question_filler}")
         for _ in range(load.per_group)
         for group in range(load.groups)
     ]
+    random.Random(load.seed).shuffle(requests)
+    return requests
+
+
+def one_token(model: str, system: str, question: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+
+
+async def warm_up(
+    session: aiohttp.ClientSession, urls: Sequence[str], model: str, load: Workload
+) -> None:
+    """Batches of 1 to ``concurrency`` requests on each worker, then the same with cache hits."""
+
+    async def post(url: str, body: dict[str, Any]) -> None:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+
+    filler = await filler_of(session, urls[0], model, load.prefix_tokens)
+    for url in urls:
+        systems = [f"{uuid.uuid4().hex} Warm-up. {filler}" for _ in range(load.concurrency)]
+        for size in range(1, load.concurrency + 1):
+            for _ in range(2):  # the second round hits the first one's prefixes
+                questions = [f"Warm-up {uuid.uuid4().hex}?" for _ in range(size)]
+                await asyncio.gather(
+                    *(
+                        post(url, one_token(model, s, q))
+                        for s, q in zip(systems, questions, strict=False)
+                    )
+                )
 
 
 async def run_policy(
@@ -169,6 +200,7 @@ async def run(
         f"~{load.prefix_tokens} tokens x {load.per_group} questions of ~{load.question_tokens} "
         f"tokens, {load.concurrency} in flight (workers' own counters):"
     )
+    await warm_up(session, urls, model, load)
     print(HEADER)
     policies: list[tuple[str, Policy]] = [
         ("round robin", round_robin_policy()),
