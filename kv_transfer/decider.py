@@ -29,9 +29,8 @@ class Reason(enum.StrEnum):
     PREFILL_FAILED = "prefill_failed"
     DECODE_FAILED = "decode_failed"  # the decode leg failed before its first byte; re-run
     KV_EXPIRED = "kv_expired"  # the prefill worker's lease on the KV ran out before leg 2
-    PREFILL_LOST = (
-        "prefill_lost"  # the prefill worker holding the KV went down before leg 2 read it
-    )
+    # The prefill worker holding the KV left rotation before the decode worker read it.
+    PREFILL_LOST = "prefill_lost"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ fd event. A delay of a millisecond keeps that safety net and idles at ~3 % of a 
 
 vLLM loads this module's ``register`` in each of its processes through the
 ``vllm.general_plugins`` entry point (``pyproject.toml``). It acts only where Tandem set
-``TANDEM_NIXL_PROGRESS_DELAY_US`` (see ``kv_transfer.connector.worker_env``), so other vLLM
+``TANDEM_NIXL_PROGRESS_DELAY_US`` (``kv_transfer.connector.connector_env``), so other vLLM
 servers sharing this environment are left alone.
 """
 

@@ -2,15 +2,17 @@
 
 ``groups`` system prompts (each a shared prefix of ``prefix_tokens``) are asked ``per_group``
 distinct questions each, in an order shuffled by ``seed``, ``concurrency`` at a time, each a
-one-token prefill (the gateway's leg 1 without keeping the KV: no decode leg follows here to release it,
-and blocks held for the lease would crowd the cache). The worker is chosen by the gateway's own
-policy (``kv_transfer.affinity.prefix_key`` and ``workers.registry.pick_by_affinity`` with
-``DeciderConfig``'s defaults, in-flight counts included) or by round robin, as vLLM's reference
-proxy does. Hits and queries are the workers' own ``vllm:prefix_cache_*`` counters. Each policy
-gets fresh system prompts, so neither inherits the other's cache. Every worker first serves
-``concurrency`` requests at once, twice, unmeasured: a compiled vLLM worker compiles the shape of
-a batch it has not seen, and a first run stalled one worker for three minutes on a batch of
-three.
+one-token prefill: the gateway's leg 1 without keeping the KV (no decode leg follows here to
+release it, and blocks held for the lease would crowd the cache). The worker is chosen by the
+gateway's own policy (``kv_transfer.affinity.prefix_key`` and
+``workers.registry.pick_by_affinity`` with ``DeciderConfig``'s defaults, in-flight counts
+included) or by round robin, as vLLM's reference proxy does. Hits and queries are the workers'
+own ``vllm:prefix_cache_*`` counters. Each policy gets fresh system prompts, so neither inherits
+the other's cache; every worker first serves unmeasured warm-up batches of each size up to
+``concurrency`` (a compiled vLLM worker compiles a batch shape it has not seen).
+
+With more workers than cores, a starved worker keeps its in-flight requests for long, and the
+load-aware fallback then routes past it: compare hit rates at ``--concurrency 1`` there.
 """
 
 from __future__ import annotations
