@@ -104,6 +104,9 @@ async def measure_size(target: Target, size: int, repeats: int) -> SizeRow:
         ttft_coloc, _ = await stream_times(
             target, target.decode, chat(target.model, other, 4, True), time.perf_counter()
         )
+        # A vLLM worker busy-waits for a second after its last step (its shared-memory queue
+        # spins before it sleeps); on a small machine that would slow the next leg 1.
+        await asyncio.sleep(1.5)
         row = SizeRow(
             tokens, kv_bytes, xfer_s, memcpy_seconds(int(kv_bytes)), split.prefill_leg_s,
             split.handoff_s, split.ttft_s, ttft_coloc,
