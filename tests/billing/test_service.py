@@ -8,8 +8,7 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -25,6 +24,7 @@ from billing.sql_store import SqliteLedgerStore
 from billing.store import AccountSettings, BudgetAlert, Cursor, UsageQuery
 from core.errors import BudgetExhaustedError, QuotaExhaustedError
 from tests.billing.records_factory import HOUR_US, make_record, make_records
+from tests.billing.waiting import returns, wait_until
 
 NOW = to_unix_us(datetime(2026, 11, 10, 9, tzinfo=UTC))
 DECEMBER = to_unix_us(datetime(2026, 12, 1, tzinfo=UTC))
@@ -78,24 +78,6 @@ async def gateways(tmp_path: Path) -> AsyncIterator[Gateways]:
     running = Gateways(tmp_path)
     yield running
     await running.stop_all()
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    """A bounded wait for the refresher's background work (never a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {timeout_s} s for: {what}")
-        await asyncio.sleep(0.01)
-
-
-async def returns(call: Awaitable[None], what: str, timeout_s: float = 20.0) -> None:
-    """Await ``call`` with a hang guard (a lost cancellation would wait for the whole interval;
-    ``asyncio.timeout`` cannot bound it: the awaited ``aclose`` suppresses CancelledError)."""
-    task = asyncio.ensure_future(call)
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    assert done, f"{what} did not return within {timeout_s} s: a cancellation was lost"
-    await task
 
 
 async def stored(service: Billing) -> dict[str, UsageRecord]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from billing.store import (
 from billing.writer import LedgerWriter, WriterConfig
 from tests.billing.conftest import LedgerDatabase, StoreFactory
 from tests.billing.records_factory import HOUR_US, T0, make_record
+from tests.billing.waiting import returns, wait_until
 
 if TYPE_CHECKING:
     from tests.postgres_server import PostgresServer
@@ -120,6 +121,16 @@ class FlakyStore:
         self.inner.close()
 
 
+@asynccontextmanager
+async def started(writer: LedgerWriter) -> AsyncIterator[LedgerWriter]:
+    """``writer`` started, and closed however the block ends."""
+    await writer.start()
+    try:
+        yield writer
+    finally:
+        await writer.aclose()
+
+
 def config(spool_dir: Path, max_batch: int = 1000) -> WriterConfig:
     return WriterConfig(
         spool_dir=spool_dir,
@@ -189,32 +200,12 @@ def assert_exactly_once(store: LedgerStore, records: Sequence[UsageRecord]) -> N
     assert by_id == {record.record_id: record for record in records}
 
 
-async def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    """A bounded wait for the flusher's background work (never a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting after {timeout_s} s for: {what}")
-        await asyncio.sleep(0.01)
-
-
-async def returns(call: Awaitable[None], what: str, timeout_s: float = 20.0) -> None:
-    """Await ``call`` with a hang guard (a lost cancellation would wait for the whole interval;
-    ``asyncio.timeout`` cannot bound it: the awaited ``aclose`` suppresses CancelledError)."""
-    task = asyncio.ensure_future(call)
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    assert done, f"{what} did not return within {timeout_s} s: a cancellation was lost"
-    await task
-
-
 # --- the normal path -------------------------------------------------------------------------
 
 
 async def test_flush_writes_every_record_once(ledger_store: SqlLedgerStore, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
-    writer = LedgerWriter(ledger_store, config(spool, max_batch=64))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(ledger_store, config(spool, max_batch=64))) as writer:
         records = unique_records(250)
         for index, record in enumerate(records):
             writer.submit(record, log_entry(record) if index % 10 == 0 else None)
@@ -229,25 +220,19 @@ async def test_flush_writes_every_record_once(ledger_store: SqlLedgerStore, tmp_
         assert logs == [log_entry(r) for r in records[::10] if r.tenant_id == "acme"]
         assert await writer.flush() is True  # nothing left: a no-op
         assert writer.stats.num_written == 250
-    finally:
-        await writer.aclose()
 
 
 async def test_the_flusher_writes_without_being_asked(
     ledger_store: SqlLedgerStore, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    writer = LedgerWriter(ledger_store, config(spool))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(ledger_store, config(spool))) as writer:
         records = unique_records(40)
         for record in records:
             writer.submit(record)
         await wait_until(lambda: writer.stats.num_written == 40, "the flusher wrote 40 records")
         assert_exactly_once(ledger_store, records)
         await wait_until(lambda: not segments(spool), "the segment file was deleted")
-    finally:
-        await writer.aclose()
 
 
 async def test_aclose_writes_what_is_pending(store_factory: StoreFactory, tmp_path: Path) -> None:
@@ -334,10 +319,8 @@ async def test_outage_spools_to_disk_and_replays_once(
 ) -> None:
     spool = tmp_path / "spool"
     flaky = FlakyStore(ledger_store)
-    writer = LedgerWriter(flaky, config(spool, max_batch=40))
-    await writer.start()
     records = unique_records(600)
-    try:
+    async with started(LedgerWriter(flaky, config(spool, max_batch=40))) as writer:
         for index, record in enumerate(records):
             if index == 200:
                 flaky.down = True
@@ -360,8 +343,6 @@ async def test_outage_spools_to_disk_and_replays_once(
         assert writer.num_pending == 0
         assert writer.stats.num_written == 600
         assert writer.stats.num_duplicates == 0
-    finally:
-        await writer.aclose()
 
 
 async def test_memory_stays_flat_during_an_outage(
@@ -372,10 +353,8 @@ async def test_memory_stays_flat_during_an_outage(
     spool = tmp_path / "spool"
     flaky = FlakyStore(ledger_store)
     flaky.down = True
-    writer = LedgerWriter(flaky, config(spool))
-    await writer.start()
     records = unique_records(300)
-    try:
+    async with started(LedgerWriter(flaky, config(spool))) as writer:
         for record in records:
             writer.submit(record)
             await asyncio.sleep(0.001)  # the flusher seals and retries meanwhile
@@ -386,8 +365,6 @@ async def test_memory_stays_flat_during_an_outage(
         flaky.down = False
         assert await writer.flush() is True
         assert_exactly_once(ledger_store, records)
-    finally:
-        await writer.aclose()
 
 
 async def test_a_lost_commit_acknowledgement_does_not_double(
@@ -395,9 +372,7 @@ async def test_a_lost_commit_acknowledgement_does_not_double(
 ) -> None:
     spool = tmp_path / "spool"
     flaky = FlakyStore(ledger_store)
-    writer = LedgerWriter(flaky, WriterConfig(spool, flush_interval_s=3600.0))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(flaky, WriterConfig(spool, flush_interval_s=3600.0))) as writer:
         records = unique_records(80)
         for record in records:
             writer.submit(record)
@@ -408,8 +383,6 @@ async def test_a_lost_commit_acknowledgement_does_not_double(
         assert_exactly_once(ledger_store, records)
         assert (writer.stats.num_written, writer.stats.num_duplicates) == (0, 80)
         assert segments(spool) == []
-    finally:
-        await writer.aclose()
 
 
 # --- restarts --------------------------------------------------------------------------------
@@ -441,9 +414,7 @@ async def test_restart_replays_what_the_last_process_spooled(
     assert sorted(spooled_ids(spool)) == [r.record_id for r in records[50:]]
 
     store = store_factory()
-    writer = LedgerWriter(store, config(spool))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(store, config(spool))) as writer:
         # The flusher replays at start, before anything new is submitted or flushed.
         await wait_until(lambda: not segments(spool), "the old segments were replayed")
         assert await writer.flush() is True
@@ -455,8 +426,6 @@ async def test_restart_replays_what_the_last_process_spooled(
             e for t in ("acme", "globex", "initech") for e in store.request_log(t, 0, 2**62, 999)
         ]
         assert sorted(e.record_id for e in logs) == [r.record_id for r in records]
-    finally:
-        await writer.aclose()
 
 
 async def test_replaying_committed_segments_inserts_nothing_twice(
@@ -489,16 +458,12 @@ async def test_replaying_committed_segments_inserts_nothing_twice(
         shutil.copy2(path, spool / path.name)
 
     store = store_factory()
-    restarted = LedgerWriter(store, config(spool))
-    await restarted.start()
-    try:
+    async with started(LedgerWriter(store, config(spool))) as restarted:
         assert await restarted.flush() is True
         assert_exactly_once(store, records)
         assert restarted.stats.num_duplicates == 90
         assert (restarted.stats.num_written, restarted.stats.num_replayed) == (0, 0)
         assert segments(spool) == []
-    finally:
-        await restarted.aclose()
 
 
 async def test_a_torn_last_line_is_skipped_and_counted(
@@ -514,9 +479,7 @@ async def test_a_torn_last_line_is_skipped_and_counted(
 
     flaky = FlakyStore(store_factory())
     flaky.down = True  # the database is still down when the gateway comes back
-    writer = LedgerWriter(flaky, config(spool))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(flaky, config(spool))) as writer:
         assert await writer.flush() is False
         assert await writer.flush() is False
         assert writer.num_pending == 5
@@ -526,8 +489,6 @@ async def test_a_torn_last_line_is_skipped_and_counted(
         assert writer.stats.num_replayed == 5
         assert_exactly_once(flaky.inner, records[:5])
         assert segments(spool) == []
-    finally:
-        await writer.aclose()
 
 
 async def test_records_the_spool_could_not_take_survive_an_outage_in_memory(
@@ -535,9 +496,7 @@ async def test_records_the_spool_could_not_take_survive_an_outage_in_memory(
 ) -> None:
     spool = tmp_path / "spool"
     flaky = FlakyStore(ledger_store)
-    writer = LedgerWriter(flaky, WriterConfig(spool, flush_interval_s=3600.0))
-    await writer.start()
-    try:
+    async with started(LedgerWriter(flaky, WriterConfig(spool, flush_interval_s=3600.0))) as writer:
         shutil.rmtree(spool)  # the segment file cannot be created
         flaky.down = True
         records = unique_records(10)
@@ -548,8 +507,6 @@ async def test_records_the_spool_could_not_take_survive_an_outage_in_memory(
         flaky.down = False
         assert await writer.flush() is True
         assert_exactly_once(ledger_store, records)
-    finally:
-        await writer.aclose()
 
 
 async def test_aclose_right_after_a_full_batch_woke_the_flusher(
