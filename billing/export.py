@@ -168,6 +168,14 @@ def _invoice_head(bill: Invoice) -> Row:
     }
 
 
+def _token_totals(lines: list[Row]) -> Row:
+    """An invoice's token counts, summed over its lines (in the exports' column order)."""
+    return {
+        name: sum(line[name] for line in lines)
+        for name in ("prompt_tokens", "cached_tokens", "completion_tokens")
+    }
+
+
 def invoice_object(bill: Invoice) -> Row:
     """One invoice as a JSON object: its head, totals, then its ``lines``."""
     lines = _line_rows(bill)
@@ -175,9 +183,7 @@ def invoice_object(bill: Invoice) -> Row:
         {
             **_invoice_head(bill),
             "num_requests": bill.num_requests,
-            "prompt_tokens": sum(line["prompt_tokens"] for line in lines),
-            "cached_tokens": sum(line["cached_tokens"] for line in lines),
-            "completion_tokens": sum(line["completion_tokens"] for line in lines),
+            **_token_totals(lines),
             "unpriced_tokens": bill.unpriced_tokens,
             "total_micros": bill.total_micros,
         }
@@ -192,9 +198,7 @@ def invoice_csv_rows(bill: Invoice) -> list[Row]:
         "model_version": None,
         "price_effective_from_us": None,
         "num_requests": bill.num_requests,
-        "prompt_tokens": sum(line["prompt_tokens"] for line in lines),
-        "cached_tokens": sum(line["cached_tokens"] for line in lines),
-        "completion_tokens": sum(line["completion_tokens"] for line in lines),
+        **_token_totals(lines),
         "unpriced_tokens": bill.unpriced_tokens,
         "amount_micros": bill.total_micros,
     }
