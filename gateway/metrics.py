@@ -182,7 +182,7 @@ class GatewayMetrics:
             return  # ended before any worker was chosen
         prefill = request.prefill_worker or "none"
         self._routes.labels(prefill, request.decode_worker, path).inc()
-        if request.prefill_worker is not None and request.prefill_leg_s is not None:
+        if request.prefill_leg_s is not None:
             self._prefill_leg.labels(prefill).observe(request.prefill_leg_s)
         if request.decode_first_token_s is not None:
             self._decode_first_token.labels(path, request.decode_worker).observe(

@@ -248,7 +248,7 @@ def log_request_end(request: Request) -> None:
     """One line per finished request: path, workers, latency and tokens."""
     usage = request.usage
     log.info(
-        "request %s %s path=%s prefill=%s decode=%s prefill_leg=%s kv_bytes=%s "
+        "request %s %s path=%s prefill=%s decode=%s prefill_leg=%s kv_blocks=%s kv_bytes=%s "
         "decode_first_token=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
         request.request_id,
         request.phase.name.lower(),
@@ -256,6 +256,7 @@ def log_request_end(request: Request) -> None:
         request.prefill_worker,
         request.decode_worker,
         _seconds(request.prefill_leg_s),
+        request.kv_blocks,
         request.kv_bytes,
         _seconds(request.decode_first_token_s),
         request.ttft_s or 0.0,

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kv_transfer.connector import ConnectorConfig
 from kv_transfer.handle import TransferHandle
 from kv_transfer.legs import decode_leg_body, prefill_leg_body
 
@@ -107,7 +108,8 @@ async def prefill_leg(
     """Leg 1 on the prefill worker at ``url``; the handle it returns."""
     async with session.post(f"{url}/v1/chat/completions", json=prefill_leg_body(body)) as r:
         r.raise_for_status()
-        return TransferHandle.from_prefill_response(await r.json(), url, lease_s=30)
+        lease_s = ConnectorConfig().kv_lease_s  # what `tandem up` gives its workers
+        return TransferHandle.from_prefill_response(await r.json(), url, lease_s=lease_s)
 
 
 async def split_request(target: Target, body: dict[str, Any]) -> SplitTiming:

@@ -166,21 +166,25 @@ def worker_tree(url: str) -> list[psutil.Process]:
 
 
 def idle_cores(processes: list[psutil.Process], seconds: float) -> float:
-    """Cores the processes used together over ``seconds`` of wall time."""
+    """Cores the processes used together over ``seconds`` of wall time; one that exits during
+    the window is left out of it."""
 
-    def total() -> float:
-        used = 0.0
-        for process in processes:
-            try:
-                times = process.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            used += times.user + times.system
-        return used
+    def cpu_s(process: psutil.Process) -> float | None:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            return None
+        return times.user + times.system
 
-    before, start = total(), time.monotonic()
+    before, start = {p.pid: cpu_s(p) for p in processes}, time.monotonic()
     time.sleep(seconds)
-    return (total() - before) / (time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    used = 0.0
+    for process in processes:
+        first, last = before[process.pid], cpu_s(process)
+        if first is not None and last is not None:
+            used += last - first
+    return used / elapsed
 
 
 async def run(target: Target, args: argparse.Namespace) -> None:

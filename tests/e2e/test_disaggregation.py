@@ -12,6 +12,7 @@ import openai
 import psutil
 import pytest
 
+from bench.kv_transfer.transfer import idle_cores
 from tests.e2e.conftest import LiveStack
 
 pytestmark = pytest.mark.e2e
@@ -159,16 +160,6 @@ def test_idle_workers_leave_the_cores_alone(live_stack: LiveStack) -> None:
         log = (live_stack.log_dir / f"{role}-0.log").read_text(errors="replace")
         assert "progress thread polls every 1000 us" in log, f"plugin not loaded on {role}-0"
     workers = psutil.Process(live_stack.pid).children(recursive=True)
-    before = {p.pid: p.cpu_times() for p in workers}
-    time.sleep(3)
-    used = 0.0
-    for process in workers:
-        try:
-            after = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        used += (after.user - before[process.pid].user) + (
-            after.system - before[process.pid].system
-        )
+    cores = idle_cores(workers, 3.0)
     # Spinning, two idle workers use two whole cores; polling every millisecond, a few percent.
-    assert used / 3 < 0.5, f"idle workers used {used / 3:.2f} cores"
+    assert cores < 0.5, f"idle workers used {cores:.2f} cores"
