@@ -34,11 +34,16 @@ class AdminCliError(Exception):
     """Something the operator must fix; printed without a traceback."""
 
 
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--admin-key``: how an admin-API command reaches the gateway."""
+    parser.add_argument("--url", help="gateway base URL (default http://TANDEM_HOST:TANDEM_PORT)")
+    parser.add_argument("--admin-key", help="admin key (default TANDEM_ADMIN_KEY or the key file)")
+
+
 def add_admin_parser(commands: Any) -> None:
     """Register ``tandem admin`` on the main parser's subcommands."""
     admin = commands.add_parser("admin", help="manage tenants, keys and quotas")
-    admin.add_argument("--url", help="gateway base URL (default http://TANDEM_HOST:TANDEM_PORT)")
-    admin.add_argument("--admin-key", help="admin key (default TANDEM_ADMIN_KEY or the key file)")
+    add_connection_flags(admin)
     groups = admin.add_subparsers(dest="admin_group", required=True)
 
     tenants = groups.add_parser("tenants", help="tenants and their plans")

@@ -20,14 +20,20 @@ from typing import Any
 
 import httpx
 
-from gateway.cli_admin import AdminCliError, call_api, err, run_api_command, show_json
+from gateway.cli_admin import (
+    AdminCliError,
+    add_connection_flags,
+    call_api,
+    err,
+    run_api_command,
+    show_json,
+)
 
 
 def add_billing_parser(commands: Any) -> None:
     """Register ``tandem billing`` on the main parser's subcommands."""
     billing = commands.add_parser("billing", help="usage exports, prices, budgets, cost")
-    billing.add_argument("--url", help="gateway base URL (default http://TANDEM_HOST:TANDEM_PORT)")
-    billing.add_argument("--admin-key", help="admin key (default TANDEM_ADMIN_KEY or the key file)")
+    add_connection_flags(billing)
     groups = billing.add_subparsers(dest="billing_command", required=True)
 
     export = groups.add_parser("export", help="per-request rows, daily summaries or invoices")

@@ -25,6 +25,7 @@ import uvicorn
 from billing.service import BillingConfig
 from core.messages import WorkerRole
 from gateway.app import AccessConfig, GatewayConfig, create_app
+from gateway.cli import main
 from gateway.pipeline import ServedModel
 from gateway.stores import StoreConfig
 from gateway.upstream import UpstreamConfig
@@ -186,3 +187,15 @@ async def make_fake_stack(
 async def fake_stack() -> AsyncIterator[FakeStack]:
     async with make_fake_stack() as stack:
         yield stack
+
+
+async def run_cli(
+    capsys: pytest.CaptureFixture[str], stack: FakeStack, command: str, *argv: str
+) -> tuple[int, str, str]:
+    """``tandem <command> --url <stack> --admin-key ... <argv>``: exit code, stdout, stderr."""
+    # The CLI is synchronous; off the loop, so the gateway in this loop can answer it.
+    code = await asyncio.to_thread(
+        main, [command, "--url", stack.base_url, "--admin-key", ADMIN_KEY, *argv]
+    )
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

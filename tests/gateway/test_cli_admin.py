@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from gateway.cli import main
-from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack
+from tests.gateway.conftest import MODEL, FakeStack, run_cli
 
 QUESTION = [{"role": "user", "content": "hello"}]
 
@@ -18,12 +18,7 @@ QUESTION = [{"role": "user", "content": "hello"}]
 async def _tandem(
     capsys: pytest.CaptureFixture[str], stack: FakeStack, *argv: str
 ) -> tuple[int, str, str]:
-    # The CLI is synchronous; off the loop, so the gateway in this loop can answer it.
-    code = await asyncio.to_thread(
-        main, ["admin", "--url", stack.base_url, "--admin-key", ADMIN_KEY, *argv]
-    )
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return await run_cli(capsys, stack, "admin", *argv)
 
 
 async def test_create_issue_use_and_revoke_from_the_cli(

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
-from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack
+from tests.gateway.conftest import MODEL, FakeStack, run_cli
 
 QUESTION = [{"role": "user", "content": "hello there"}]
 
@@ -18,11 +16,7 @@ QUESTION = [{"role": "user", "content": "hello there"}]
 async def _tandem(
     capsys: pytest.CaptureFixture[str], stack: FakeStack, *argv: str
 ) -> tuple[int, str, str]:
-    code = await asyncio.to_thread(
-        main, ["billing", "--url", stack.base_url, "--admin-key", ADMIN_KEY, *argv]
-    )
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return await run_cli(capsys, stack, "billing", *argv)
 
 
 def _dates() -> tuple[str, str]:
