@@ -142,12 +142,12 @@ class AdmissionController:
         """Admit a request or raise the error its client gets (400, 429 or 503).
 
         ``on_reserved`` hears the rate-limit headers once the quota is reserved, before the
-        wait in the queue."""
+        wait in the queue (none when the plan is unlimited or the store was bypassed)."""
         plan = tenant.plan
         check_plan_limits(plan, estimate)
         reservation = await self._reserve_to_the_end(tenant, estimate)
-        if on_reserved is not None and reservation is not None:
-            on_reserved(ratelimit_headers(reservation.snapshot))
+        if on_reserved is not None:
+            on_reserved(ratelimit_headers(reservation.snapshot) if reservation else {})
         try:
             slot = await self._admitter.admit(
                 tenant.tenant_id, plan.weight, plan.band, estimate.prompt_tokens, deadline

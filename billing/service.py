@@ -114,7 +114,7 @@ class Billing:
         self._unannounced: list[BudgetAlert] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._last_purge = 0.0
+        self._next_purge_us: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -323,10 +323,14 @@ class Billing:
         )  # fmt: skip
 
     async def _purge_request_log(self) -> None:
-        if time.monotonic() - self._last_purge < self.config.purge_interval_s:
+        """Delete request-log entries past their retention: at the first refresh after a start
+        (entries may have expired while no gateway ran), then every ``purge_interval_s``.
+        Timed on the ledger's clock, which the expiry times are on too."""
+        now = self._clock_us()
+        if self._next_purge_us is not None and now < self._next_purge_us:
             return
-        num_deleted = await self.writer.run(self.store.purge_request_log, self._clock_us())
-        self._last_purge = time.monotonic()
+        num_deleted = await self.writer.run(self.store.purge_request_log, now)
+        self._next_purge_us = now + round(self.config.purge_interval_s * 1_000_000)
         if num_deleted:
             log.info("request log: deleted %d entries past their retention", num_deleted)
 

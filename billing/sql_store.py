@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import fcntl
 import sqlite3
 import threading
 import time
@@ -375,7 +376,12 @@ class SqliteLedgerStore(SqlLedgerStore):
         connection = sqlite3.connect(
             self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
         )
-        connection.execute("PRAGMA journal_mode=WAL")
+        # Switching a new file to WAL takes an exclusive lock, and SQLite answers "database is
+        # locked" at once (no busy wait: it would deadlock) to a second connection switching at
+        # the same moment. So connections take turns, across processes (two gateways starting
+        # on one ledger); once the file is in WAL the statement only reads the mode.
+        with _file_lock(self.path.with_name(self.path.name + ".open-lock")):
+            connection.execute("PRAGMA journal_mode=WAL")
         # FULL: a committed batch survives power loss, so its spool file may be deleted.
         connection.execute("PRAGMA synchronous=FULL")
         return connection
@@ -471,3 +477,14 @@ def _usage_row(record: UsageRecord) -> tuple[Any, ...]:
 
 def _usage_record(row: Sequence[Any]) -> UsageRecord:
     return UsageRecord.from_dict(dict(zip(COLUMNS, row, strict=True)))
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing), for threads and processes."""
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

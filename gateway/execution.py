@@ -9,11 +9,14 @@
 Quota is settled exactly once, before the stream's last event when it ends normally, in
 ``aclose()`` otherwise (client gone, failure, never started). Headers grow as the request
 advances: the request id at once, ``x-ratelimit-*`` when the quota is reserved,
-``x-tandem-queue-ms`` when admitted; a stream that must start early sends what is known then.
+``x-tandem-queue-ms`` when admitted. A stream that must start early (still queued or prefilling
+after a heartbeat interval) starts once ``quota_answered()`` returns, so it always carries the
+rate-limit headers and a quota refusal is always an HTTP 429.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -66,6 +69,7 @@ class Execution:
         self._on_chunk = on_chunk
         self._admission: Admission | None = None
         self._relay: RelayStream | None = None
+        self._quota_answered = asyncio.Event()
 
     async def open_stream(self) -> None:
         """Admit the request and open its decode stream (up to the first token). Errors
@@ -81,6 +85,11 @@ class Execution:
             self._relay = await self._pipeline.stream(
                 self._endpoint, self._body, self.request, hooks
             )
+
+    async def quota_answered(self) -> None:
+        """Returns once the quota store has answered (the rate-limit headers are set) or
+        admission ended otherwise; ``open_stream()`` must be running."""
+        await self._quota_answered.wait()
 
     def events(self) -> AsyncIterator[str]:
         """The client's SSE payloads; ``open_stream()`` must have returned."""
@@ -134,13 +143,20 @@ class Execution:
             self._recorder.record()
 
     async def _admit(self) -> Admission:
-        self._admission = await self._gate.admit(
-            self._caller, self._endpoint, self._body, self.request, self._model.max_model_len,
-            self._client_gone, on_reserved=self.headers.update,
-        )  # fmt: skip
+        try:
+            self._admission = await self._gate.admit(
+                self._caller, self._endpoint, self._body, self.request, self._model.max_model_len,
+                self._client_gone, on_reserved=self._on_reserved,
+            )  # fmt: skip
+        finally:
+            self._quota_answered.set()  # refused before the quota, or admitted: nothing to wait for
         queue_ms = round((self.request.queue_wait_s or 0.0) * 1000)
         self.headers["x-tandem-queue-ms"] = str(queue_ms)
         return self._admission
+
+    def _on_reserved(self, ratelimit_headers: dict[str, str]) -> None:
+        self.headers.update(ratelimit_headers)
+        self._quota_answered.set()
 
     @contextmanager
     def _with_headers(self) -> Iterator[None]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +133,7 @@ class IdempotentRuns:
     ) -> TeeSource:
         """Start a streaming request in the background; the response reads it live.
         ``assembler`` must be the one the execution's relay feeds every chunk to."""
-        tee = TeeSource(execution.headers, assembler)
+        tee = TeeSource(execution.headers, execution.quota_answered, assembler)
         task = asyncio.create_task(self._run_stream(key, execution, tee))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -205,8 +205,14 @@ class IdempotentRuns:
 class TeeSource:
     """The live side of a background idempotent stream; leaving it does not stop the run."""
 
-    def __init__(self, headers: dict[str, str], assembler: StreamAssembler) -> None:
+    def __init__(
+        self,
+        headers: dict[str, str],
+        quota_answered: Callable[[], Awaitable[None]],
+        assembler: StreamAssembler,
+    ) -> None:
         self.headers = headers
+        self._quota_answered = quota_answered
         self.assembler = assembler
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Read even when the client already left, so a failure is not reported as unread.
@@ -219,6 +225,9 @@ class TeeSource:
 
     async def open_stream(self) -> None:
         await asyncio.shield(self.opened)
+
+    async def quota_answered(self) -> None:
+        await self._quota_answered()
 
     async def events(self) -> AsyncIterator[str]:
         queue = self._queue

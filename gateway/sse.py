@@ -1,11 +1,14 @@
 """Data-only SSE for the OpenAI SDKs, started early enough that no client or proxy times out.
 
-A stream's HTTP status is decided by when it commits. ``serve_stream`` waits up to one
-heartbeat interval for the request to be admitted and its first token to arrive: errors in
-that window are real HTTP statuses (429, 503, ... which the SDKs retry). A request still
+A stream's HTTP status and headers are decided by when it commits. ``serve_stream`` waits up
+to one heartbeat interval for the request to be admitted and its first token to arrive: errors
+in that window are real HTTP statuses (429, 503, ... which the SDKs retry). A request still
 queued or prefilling after it commits to ``200 text/event-stream`` and sends ``: ping``
 comments while it waits; an error after that is one ``data: {"error": ...}`` event
-(WIRE.md §1). Never ``event:``, ``id:`` or ``retry:`` lines: the Python SDK chokes on them.
+(``docs/ARCHITECTURE.md``, "Streams"). It never commits before the quota store has answered,
+however slow that is (the store's own timeout bounds it): the rate-limit headers are in every
+committed stream, and a quota refusal is always an HTTP 429. Never ``event:``, ``id:`` or
+``retry:`` lines: the Python SDK chokes on them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class StreamSource(Protocol):
     headers: dict[str, str]
 
     async def open_stream(self) -> None: ...
+
+    async def quota_answered(self) -> None:
+        """Returns once ``headers`` hold the quota's answer (or admission ended otherwise)."""
+        ...
 
     def events(self) -> AsyncIterator[str]: ...
 
@@ -72,12 +79,17 @@ async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response
     """The streaming response for ``source``: committed at once if it opens within one
     heartbeat interval (errors then raise, as HTTP statuses), else committed with a ping."""
     opening = asyncio.ensure_future(source.open_stream())
+    answered = asyncio.ensure_future(source.quota_answered())
     try:
         await asyncio.wait((opening,), timeout=ping_interval_s or None)
+        if not opening.done():
+            await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         await _cancel(opening)
         await source.aclose()
         raise
+    finally:
+        await _cancel(answered)
     if opening.done():
         try:
             opening.result()

@@ -366,13 +366,38 @@ async def test_request_log_kept_only_when_enabled_and_purged_after_retention(
     assert await service.request_log("initech", 0, 2**62, 100) == []
     assert len(await stored(service)) == 4  # every record is billed, kept text or not
 
+    # The first purge after a start runs at once (whatever the host's uptime); the entry has
+    # one microsecond left.
     clock.now_us = entry.expires_at_us - 1
     await service._purge_request_log()
     assert len(await service.request_log("acme", 0, 2**62, 100)) == 1
+    # Expired now, but the next purge is one purge interval (3600 s) after the last one.
     clock.now_us = entry.expires_at_us
-    service._last_purge = 0.0  # the purge interval has passed
+    await service._purge_request_log()
+    assert len(await service.request_log("acme", 0, 2**62, 100)) == 1
+    clock.now_us = entry.expires_at_us - 1 + 3600 * 1_000_000
     await service._purge_request_log()
     assert await service.request_log("acme", 0, 2**62, 100) == []
+
+
+async def test_the_first_refresh_after_a_start_purges_expired_request_logs(
+    gateways: Gateways,
+) -> None:
+    """Entries that expired while no gateway ran go at the first refresh, not an hour later."""
+    clock = FakeClock(NOW)
+    first = await gateways.start(clock)
+    await first.put_account(AccountSettings("acme", request_log=True, request_log_retention_s=60))
+    first.record(make_record(record_id="old", finished_at_us=NOW), ("prompt", "output"))
+    assert len(await first.request_log("acme", 0, 2**62, 100)) == 1
+    await gateways.stop(first)
+
+    clock.now_us = NOW + 61 * 1_000_000
+    second = await gateways.start(clock)
+    second._wake.set()  # the refresher's next round, without waiting out its interval
+    await wait_until(
+        lambda: second.store.request_log("acme", 0, 2**62, 100) == [],
+        "the expired entry purged by the first refresh",
+    )
 
 
 # --- usage pages -----------------------------------------------------------------------------

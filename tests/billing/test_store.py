@@ -8,17 +8,19 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
 from billing.migrations import MIGRATIONS, MIGRATIONS_TABLE
 from billing.prices import PriceCard
 from billing.records import UsageRecord
-from billing.sql_store import SqlLedgerStore
+from billing.sql_store import SqliteLedgerStore, SqlLedgerStore
 from billing.store import (
     AccountSettings,
     BudgetAlert,
     Cursor,
+    LedgerUnavailableError,
     PriceConflictError,
     RequestLogEntry,
     UsageQuery,
@@ -88,6 +90,37 @@ def test_concurrent_migrations_apply_once(ledger_database: LedgerDatabase) -> No
         thread.join()
     assert sorted(applied) == [[], [migration.version for migration in MIGRATIONS]]
     assert len(ledger_database.query(f"SELECT version FROM {MIGRATIONS_TABLE}")) == len(MIGRATIONS)
+
+
+def test_gateways_opening_one_new_sqlite_ledger_together_are_not_refused(tmp_path: Path) -> None:
+    """Switching a new SQLite file to WAL is refused at once ("database is locked", no busy
+    wait) to a second connection switching at the same moment: seen in about one round in
+    twenty without the open lock, so a hundred rounds make the race show."""
+
+    def open_ledger(
+        store: SqliteLedgerStore, barrier: threading.Barrier, errors: list[str]
+    ) -> None:
+        barrier.wait()
+        try:
+            store.migrate()
+        except LedgerUnavailableError as exc:
+            errors.append(str(exc))
+
+    for round_number in range(100):
+        path = tmp_path / f"ledger-{round_number}.db"
+        stores = [SqliteLedgerStore(path) for _ in range(2)]
+        barrier = threading.Barrier(len(stores))
+        errors: list[str] = []
+        threads = [
+            threading.Thread(target=open_ledger, args=(store, barrier, errors)) for store in stores
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for store in stores:
+            store.close()
+        assert errors == [], f"round {round_number}: {errors}"
 
 
 # --- usage -----------------------------------------------------------------------------------
