@@ -4,6 +4,9 @@ tandem up                 prepare the model, boot a prefill and a decode worker,
 tandem model prepare      convert the model into a vLLM-loadable folder (idempotent)
 tandem admin ...          tenants, keys, quotas and usage over the admin API
 tandem version
+
+Logs go to standard error, at ``--log-level`` (``info`` for ``up``, ``warning`` for the others):
+standard output holds only what a command was asked for, so ``tandem admin ... | jq`` works.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +28,12 @@ import uvicorn
 from rich.console import Console
 from rich.status import Status
 
-from gateway.cli_admin import add_admin_parser, run_admin
+from gateway.cli_admin import add_admin_parser, add_log_level_flag, run_admin
 from gateway.cli_billing import add_billing_parser, run_billing
 from gateway.settings import TandemSettings
 from gateway.stack import Stack, prepare_model_in_subprocess
 from workers.model import ModelPreparationError, RichProgress, prepare_model
-from workers.pool import WorkerStartupError
+from workers.pool import WorkerStartupError, WorkerStatus
 
 console = Console(stderr=True)
 
@@ -46,12 +50,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int | None:
     """Run a gateway command; None when ``args.command`` is not one of them."""
+    log_level: str = getattr(args, "log_level", None) or "warning"
+    # Standard error, never standard output: that is the command's answer (JSON, an export).
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     try:
         if args.command == "up":
-            return _run_event_loop(_up(_settings_from_args(args)))
+            return _run_event_loop(_up(_settings_from_args(args), log_level))
         if args.command == "model" and args.model_command == "prepare":
             with RichProgress(console) as progress:
                 prepared = prepare_model(args.model, cache_dir=args.cache_dir, progress=progress)
@@ -109,12 +117,14 @@ def add_commands(commands: Any) -> None:
         default=None,
         help="skip graph compilation: faster boot, slower decode",
     )
+    add_log_level_flag(up, default="info")
 
     model = commands.add_parser("model", help="model management")
     model_commands = model.add_subparsers(dest="model_command")
     prepare = model_commands.add_parser("prepare", help="make a vLLM-loadable model folder")
     prepare.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled)")
     prepare.add_argument("--cache-dir", type=Path)
+    add_log_level_flag(prepare)
 
     add_admin_parser(commands)
     add_billing_parser(commands)
@@ -138,7 +148,7 @@ def _run_event_loop(main_coro: object) -> int:
         return int(runner.run(main_coro))  # type: ignore[arg-type]
 
 
-async def _up(settings: TandemSettings) -> int:
+async def _up(settings: TandemSettings, log_level: str = "info") -> int:
     stopping = asyncio.Event()
     main_task = asyncio.current_task()
     server: _Server | None = None
@@ -170,8 +180,8 @@ async def _up(settings: TandemSettings) -> int:
             else None
         )
         stack = Stack.from_settings(settings, prepared)
-        with _status_line("booting workers") as status:
-            await stack.start(on_progress=lambda line: status.update(f"booting workers: {line}"))
+        with _boot_display(stack) as on_progress:
+            await stack.start(on_progress=on_progress)
         console.print(
             "[green]workers ready[/]: "
             + ", ".join(
@@ -183,7 +193,7 @@ async def _up(settings: TandemSettings) -> int:
                 stack.app(),
                 host=settings.host,
                 port=settings.port,
-                log_level="info",
+                log_level=log_level,
                 http="httptools",
                 lifespan="on",
             )
@@ -252,8 +262,65 @@ class _Server(uvicorn.Server):
 
 @contextlib.contextmanager
 def _status_line(text: str) -> Iterator[Status]:
+    if not console.is_terminal:
+        console.print(text)  # a spinner draws nothing in a file: say it once instead
     with console.status(text) as status:
         yield status
+
+
+@contextlib.contextmanager
+def _boot_display(stack: Stack) -> Iterator[Callable[[str], None]]:
+    """The ``on_progress`` of a boot: a spinner line on a terminal, else plain lines."""
+    if console.is_terminal:
+        with _status_line("booting workers") as status:
+            yield lambda line: status.update(f"booting workers: {line}")
+        return
+    progress = BootProgress(console)
+    # Each pool's line arrives about every second: a tick to look at every worker's status.
+    yield lambda _line: progress.update([*stack.prefill.status(), *stack.decode.status()])
+
+
+class BootProgress:
+    """Plain-text boot progress for a console that is not a terminal (``> log``, CI).
+
+    Says when each worker starts, how long it has been starting every ``interval_s``, and how
+    long it took once ready: ``prefill-0: starting (20 s)``, ``prefill-0: ready in 93 s``.
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._console = console
+        self._interval_s = interval_s
+        self._clock = clock
+        self._started_at = clock()  # workers are launched right after: their boot starts here
+        self._next_line_at: dict[str, float] = {}
+        self._ready: set[str] = set()
+
+    def update(self, statuses: Sequence[WorkerStatus]) -> None:
+        """Print what changed or is due since the last call; call it about every second."""
+        now = self._clock()
+        elapsed = f"{now - self._started_at:.0f} s"
+        for status in statuses:
+            if status.name in self._ready:
+                continue
+            waiting = "starting" if status.managed else f"waiting for {status.base_url}"
+            if status.healthy:
+                self._ready.add(status.name)
+                self._say(f"{status.name}: ready in {elapsed}")
+            elif status.name not in self._next_line_at:
+                self._next_line_at[status.name] = now + self._interval_s
+                self._say(f"{status.name}: {waiting}")
+            elif now >= self._next_line_at[status.name]:
+                # Counted from now, not from the missed due time: a late tick prints one line.
+                self._next_line_at[status.name] = now + self._interval_s
+                self._say(f"{status.name}: {waiting} ({elapsed})")
+
+    def _say(self, line: str) -> None:
+        self._console.print(line, markup=False, highlight=False)
 
 
 if __name__ == "__main__":

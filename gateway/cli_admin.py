@@ -28,6 +28,7 @@ out = Console()
 err = Console(stderr=True)
 
 _PLAN_FLAGS = ("tpm", "rpm", "max_concurrent", "max_prompt_tokens", "max_output_tokens")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class AdminCliError(Exception):
@@ -40,10 +41,21 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", help="admin key (default TANDEM_ADMIN_KEY or the key file)")
 
 
+def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "warning") -> None:
+    """``--log-level``: what reaches standard error (standard output is the command's answer)."""
+    parser.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        default=default,
+        help=f"log messages from this level up, on standard error (default {default})",
+    )
+
+
 def add_admin_parser(commands: Any) -> None:
     """Register ``tandem admin`` on the main parser's subcommands."""
     admin = commands.add_parser("admin", help="manage tenants, keys and quotas")
     add_connection_flags(admin)
+    add_log_level_flag(admin)
     groups = admin.add_subparsers(dest="admin_group", required=True)
 
     tenants = groups.add_parser("tenants", help="tenants and their plans")
@@ -160,7 +172,7 @@ def _dispatch(client: httpx.Client, args: argparse.Namespace) -> None:
         issued = call_api(
             client, "POST", f"/admin/v1/tenants/{args.tenant}/keys", {"name": args.name}
         )
-        show_json(issued)
+        show_issued_key(out, issued)
         err.print("[yellow]The key is shown this once; it is stored only as a hash.[/]")
     elif group == "keys" and command == "list":
         _table(
@@ -201,6 +213,27 @@ def call_api(
 
 def show_json(payload: dict[str, Any]) -> None:
     out.print_json(json.dumps(payload))
+
+
+def show_issued_key(console: Console, issued: dict[str, Any]) -> None:
+    """A freshly issued key, the secret first: on a terminal ``key (shown once): tdm-...``
+    then the key's other fields; otherwise the JSON, with ``key`` as its first field.
+
+    ``display_prefix`` also starts with ``tdm-``: shown first, it was taken for the key.
+    """
+    ordered = {"key": issued["key"], **{k: v for k, v in issued.items() if k != "key"}}
+    if not console.is_terminal:
+        console.print_json(json.dumps(ordered))
+        return
+    lines = [
+        f"key (shown once): {issued['key']}",
+        f"key id: {issued['key_id']}",
+        f"tenant id: {issued['tenant_id']}",
+        f"name: {issued['name']}",
+        f"listed by `keys list` as: {issued['display_prefix']}...",
+    ]
+    # soft_wrap: a narrow terminal must not break the key across lines (copying it would fail).
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
 
 
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...], cells: Any) -> None:

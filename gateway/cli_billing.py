@@ -23,6 +23,7 @@ import httpx
 from gateway.cli_admin import (
     AdminCliError,
     add_connection_flags,
+    add_log_level_flag,
     call_api,
     err,
     run_api_command,
@@ -34,6 +35,7 @@ def add_billing_parser(commands: Any) -> None:
     """Register ``tandem billing`` on the main parser's subcommands."""
     billing = commands.add_parser("billing", help="usage exports, prices, budgets, cost")
     add_connection_flags(billing)
+    add_log_level_flag(billing)
     groups = billing.add_subparsers(dest="billing_command", required=True)
 
     export = groups.add_parser("export", help="per-request rows, daily summaries or invoices")

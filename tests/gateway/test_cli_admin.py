@@ -34,6 +34,7 @@ async def test_create_issue_use_and_revoke_from_the_cli(
     code, out, err = await _tandem(capsys, fake_stack, "keys", "issue", "acme", "--name", "ci")
     assert code == 0 and "shown this once" in err
     issued = json.loads(out)
+    assert next(iter(issued)) == "key"  # the secret first, not the look-alike display_prefix
     async with fake_stack.client_for(issued["key"]) as client:
         reply = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
         assert reply.choices[0].message.content
