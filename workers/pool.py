@@ -62,7 +62,8 @@ class PoolConfig:
     ready_timeout_s: float = 600.0
     """Default limit for ``wait_ready`` (a cold vLLM boot on CPU takes ~1-3 min)."""
     stop_timeout_s: float = 15.0
-    """Grace period between SIGTERM and SIGKILL when stopping a worker."""
+    """Grace period between SIGTERM and SIGKILL when stopping a worker. Longer than the
+    worker's own ``LaunchConfig.shutdown_timeout_s``, so vLLM's orderly shutdown can finish."""
 
     def __post_init__(self) -> None:
         for spec in self.specs:

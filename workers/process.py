@@ -1,9 +1,11 @@
 """Launch and stop one vLLM OpenAI server as a child process, leaving no orphans behind.
 
-A worker runs in its own session (so it leads a fresh process group) and every process vLLM
-forks (API server, engine core, executor workers) inherits that group. Stopping signals the whole
-group, then sweeps descendants that left the group. The child also gets ``PR_SET_PDEATHSIG`` so a
-gateway killed with SIGKILL still takes its workers down with it.
+A worker runs in its own session (so it leads a fresh process group, and a Ctrl-C on the
+gateway's terminal never reaches it) and every process vLLM forks (API server, engine core,
+executor workers) inherits that group. Stopping sends SIGTERM to the API server only, which shuts
+its engine core down in order; what is still there after the grace period, in the group or among
+the descendants that left it, gets SIGKILL. The child also gets ``PR_SET_PDEATHSIG`` so a gateway
+killed with SIGKILL still takes its workers down with it.
 """
 
 from __future__ import annotations
@@ -47,13 +49,19 @@ class LaunchConfig:
     max_model_len: int | None = None
     """Context window cap (``--max-model-len``); None keeps the model's own."""
     kv_cache_gib: int = 1
+    """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM parses it as an int)."""
     block_size: int | None = None
     """Tokens per KV block (``--block-size``); None keeps vLLM's choice."""
-    """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; vLLM parses it as an int)."""
     enforce_eager: bool = False
     """Skip graph compilation (``--enforce-eager``): boots in ~half the time, decodes slower."""
     dtype: str = "auto"
     """Weights and activations dtype (``--dtype``); ``auto`` takes the checkpoint's."""
+    shutdown_timeout_s: int = 10
+    """On SIGTERM, how long the API server lets its engine core finish in-flight requests and
+    exit (``--shutdown-timeout``). vLLM's default, 0, SIGKILLs the engine core at once, which
+    leaks its shared memory and leaves its executor workers as zombies; the engine core itself
+    waits up to 5 s for its executor worker (measured: ~4 s on CPU), so less cuts that short.
+    Keep it below the pool's ``stop_timeout_s``, after which Tandem SIGKILLs what is left."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
     extra_args: tuple[str, ...] = ()
@@ -140,6 +148,7 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--block-size", str(launch.block_size)]
     if launch.dtype != "auto":
         argv += ["--dtype", launch.dtype]
+    argv += ["--shutdown-timeout", str(launch.shutdown_timeout_s)]
     # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
     # cached price.
     argv.append("--enable-prompt-tokens-details")
@@ -239,18 +248,33 @@ class WorkerProcess:
         return await self._proc.wait()
 
     async def aclose(self, timeout_s: float = 15.0) -> None:
-        """Stop the worker and everything it spawned: SIGTERM, wait up to ``timeout_s``, SIGKILL.
+        """Stop the worker and everything it spawned within ``timeout_s``, then SIGKILL the rest.
 
+        SIGTERM goes to the API server first, alone; once it exited, to what it left behind.
         Safe to call repeatedly and after the child died (it still sweeps the child's group).
         """
         proc = self._proc
         if proc is None or self._swept:
             return
+        deadline = time.monotonic() + timeout_s
         # Snapshot descendants first: once the child dies they are reparented and untraceable.
         strays = _descendants(proc.pid) if proc.returncode is None else []
-        _signal_group(proc.pid, signal.SIGTERM)
-        _signal_each(strays, signal.SIGTERM)
-        if not await _wait_gone(proc, strays, timeout_s):
+        server_gone = True
+        if proc.returncode is None:
+            # The API server alone: it stops its engine core itself. Signalling the whole group
+            # would stop the engine core under a live API server, which then logs the loss as
+            # a crash (EngineDeadError) instead of a shutdown.
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            server_gone = await _wait_gone(proc, [], timeout_s)
+        gone = False
+        if server_gone:
+            # Nobody is left to stop the rest (a crashed server's engine core, a descendant that
+            # outlived it): each gets its own SIGTERM and what remains of the grace period.
+            _signal_group(proc.pid, signal.SIGTERM)
+            _signal_each(strays, signal.SIGTERM)
+            gone = await _wait_gone(proc, strays, max(deadline - time.monotonic(), 0.1))
+        if not gone:
             logger.warning("%s ignored SIGTERM for %.0f s; killing it", self.spec.name, timeout_s)
         # Unconditional: also catches group members forked after the snapshot.
         _signal_group(proc.pid, signal.SIGKILL)

@@ -5,6 +5,10 @@ Accepts vLLM's command line (reads ``--host`` and ``--port``, ignores the rest) 
 no grandchild outlives a stop, and on SIGTERM it stops that child and exits, as vLLM stops its
 engine core. Behaviour is steered by environment variables:
 
+    FAKE_WORKER_ENGINE_RECORD   the child is an engine-core stand-in instead of a ``sleep``: it
+                                writes {"ready": true} here once it can take SIGTERM, then, on
+                                SIGTERM, {"signal": "SIGTERM", "sender_pid": <who sent it>}
+
     FAKE_WORKER_INFO_FILE       write {"pid", "grandchild_pid", "argv", "env"} here (JSON)
     FAKE_WORKER_EXIT_CODE       print a line and exit with this code instead of serving
     FAKE_WORKER_HEALTH_STATUS   HTTP status of /health (default 200)
@@ -25,7 +29,26 @@ from pathlib import Path
 from types import FrameType
 
 
+def engine_core(record: Path) -> None:
+    """Wait for SIGTERM and record who sent it (the supervisor, or the fake server)."""
+    # Blocked and taken with sigwaitinfo: a handler cannot see the sender's pid.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _write_atomically(record, {"ready": True})
+    info = signal.sigwaitinfo({signal.SIGTERM})
+    _write_atomically(record, {"signal": "SIGTERM", "sender_pid": info.si_pid})
+
+
+def _write_atomically(path: Path, data: dict[str, object]) -> None:
+    # Write then rename so a reader never sees a half-written file.
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--engine-core"]:
+        engine_core(Path(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
@@ -35,8 +58,10 @@ def main() -> None:
         print(f"fake worker: failing at startup with code {code}", flush=True)
         sys.exit(int(code))
 
+    record = os.environ.get("FAKE_WORKER_ENGINE_RECORD")
     grandchild = subprocess.Popen(
-        ["sleep", "600"], start_new_session=os.environ.get("FAKE_WORKER_ESCAPE_GROUP") == "1"
+        [sys.executable, __file__, "--engine-core", record] if record else ["sleep", "600"],
+        start_new_session=os.environ.get("FAKE_WORKER_ESCAPE_GROUP") == "1",
     )
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -70,10 +95,7 @@ def main() -> None:
             "argv": sys.argv[1:],
             "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "HF_"))},
         }
-        # Write then rename so a reader never sees a half-written file (restarts rewrite it).
-        tmp = Path(f"{info_file}.tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(info_file)
+        _write_atomically(Path(info_file), info)  # restarts rewrite it
     print(f"fake worker listening on {args.host}:{args.port}", flush=True)
     server.serve_forever()
 

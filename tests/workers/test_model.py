@@ -7,8 +7,10 @@ real cache, manifest, locking and rename logic without torch.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from workers.model import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+DIGEST_INDEX = ".source-digests.json"
 BUILD_STAGES = ["locating", "loading GGUF", "converting", "saving", "verifying"]
 
 
@@ -91,10 +94,12 @@ def cache(tmp_path: Path) -> Path:
 
 
 def leftovers(cache: Path) -> list[str]:
-    """Everything in the models folder except finished model folders and lock files."""
+    """Everything in the models folder except finished model folders, locks and the digests."""
     models = cache / "models"
     return sorted(
-        p.name for p in models.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")
+        p.name
+        for p in models.iterdir()
+        if p.name.startswith(".") and not p.name.endswith(".lock") and p.name != DIGEST_INDEX
     )
 
 
@@ -132,6 +137,7 @@ def test_converts_once_then_reuses_the_verified_folder(gguf: Path, cache: Path) 
     assert first.stages == BUILD_STAGES
     manifest = json.loads((prepared.path / MANIFEST_NAME).read_text())
     assert manifest["source"] == str(gguf)
+    assert manifest["source_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert manifest["files"]["model.safetensors"] == 4096
     assert MANIFEST_NAME not in manifest["files"]
     assert leftovers(cache) == []
@@ -242,6 +248,61 @@ def test_changed_source_gets_a_fresh_folder(gguf: Path, cache: Path) -> None:
 
     assert second.path != first.path
     assert len(convert.calls) == 2
+
+
+def test_copies_of_one_file_share_one_folder(gguf: Path, cache: Path, tmp_path: Path) -> None:
+    # Each clone's venv holds its own copy of the bundled GGUF: one conversion serves them all.
+    copy = tmp_path / "another-clone" / ".venv" / gguf.name
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(gguf, copy)
+    convert = FakeConverter()
+
+    first = prepare_model(gguf, cache_dir=cache, convert=convert)
+    second = prepare_model(copy, cache_dir=cache, convert=convert)
+
+    assert second.path == first.path
+    assert first.path.name.endswith("-" + hashlib.sha256(gguf.read_bytes()).hexdigest()[:16])
+    assert len(convert.calls) == 1
+    assert find_prepared(copy, cache_dir=cache) == first
+
+
+def test_same_size_other_content_gets_its_own_folder(gguf: Path, cache: Path) -> None:
+    convert = FakeConverter()
+    first = prepare_model(gguf, cache_dir=cache, convert=convert)
+    before = gguf.stat()
+    content = bytearray(gguf.read_bytes())
+    content[-1] ^= 0xFF
+    gguf.write_bytes(bytes(content))
+    os.utime(gguf, ns=(before.st_atime_ns, before.st_mtime_ns))  # same path, size and mtime
+
+    second = prepare_model(gguf, cache_dir=cache, convert=convert)
+
+    assert second.path != first.path
+    assert len(convert.calls) == 2
+    assert first.path.is_dir()  # the other content's folder is kept: another clone may use it
+
+
+def test_the_digest_index_spares_reading_an_unchanged_file(gguf: Path, cache: Path) -> None:
+    real = prepare_model(gguf, cache_dir=cache, convert=FakeConverter())
+    index_file = cache / "models" / DIGEST_INDEX
+    index = json.loads(index_file.read_text())
+    assert index[str(gguf)]["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+    # A remembered digest is trusted while the file's stat is unchanged...
+    index[str(gguf)]["sha256"] = "f" * 64
+    index_file.write_text(json.dumps(index))
+    assert find_prepared(gguf, cache_dir=cache) is None  # it names a folder never built
+    # ...and any change to the file (here only its mtime) has it read again.
+    os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 1))
+    assert find_prepared(gguf, cache_dir=cache) == real
+    assert json.loads(index_file.read_text())[str(gguf)]["sha256"] != "f" * 64
+
+
+def test_a_garbled_digest_index_is_rebuilt(gguf: Path, cache: Path) -> None:
+    real = prepare_model(gguf, cache_dir=cache, convert=FakeConverter())
+    (cache / "models" / DIGEST_INDEX).write_text('{"half')
+    assert find_prepared(gguf, cache_dir=cache) == real
+    assert str(gguf) in json.loads((cache / "models" / DIGEST_INDEX).read_text())
 
 
 def test_converter_failure_leaves_nothing_behind(gguf: Path, cache: Path) -> None:

@@ -118,6 +118,8 @@ def test_prefill_and_decode_command_lines() -> None:
     assert "--enable-prompt-tokens-details" in argv  # cached prompt tokens reach the ledger
     assert argv[argv.index("--dtype") + 1] == "float32"
     assert argv[argv.index("--block-size") + 1] == "128"  # the gateway counts KV bytes with it
+    # The API server gives its engine core time to exit in order instead of SIGKILLing it.
+    assert argv[argv.index("--shutdown-timeout") + 1] == "10"
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
@@ -248,3 +250,19 @@ async def test_worker_dies_with_a_killed_parent(tmp_path: Path) -> None:
         await wait_for(lambda: not alive(info["pid"]) and not alive(info["grandchild_pid"]))
     finally:
         kill_leftovers(info["pid"], info["grandchild_pid"])
+
+
+async def test_stop_signals_the_server_alone_which_stops_its_engine(tmp_path: Path) -> None:
+    """vLLM's API server stops its engine core itself; a SIGTERM from the supervisor reaching
+    the engine core first makes the server log the shutdown as a crash (EngineDeadError)."""
+    record = tmp_path / "engine.json"
+    spec = fake_spec(tmp_path, FAKE_WORKER_ENGINE_RECORD=str(record))
+    process = WorkerProcess(spec, tmp_path / "logs")
+    await process.start()
+    try:
+        await wait_for(lambda: record.is_file() and bool(worker_info(tmp_path)))
+        server_pid = worker_info(tmp_path)["pid"]
+    finally:
+        await process.aclose(timeout_s=5)
+    assert json.loads(record.read_text()) == {"signal": "SIGTERM", "sender_pid": server_pid}
+    assert process.returncode == 0  # the server exited on its own, not by SIGKILL
