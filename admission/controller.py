@@ -230,22 +230,53 @@ class AdmissionController:
         return result
 
 
+def check_context_window(estimate: TokenEstimate, max_model_len: int | None) -> None:
+    """An output cap longer than the model's whole context window can never be served: 400
+    naming the field (the engine would refuse it too, but only after a quota reservation)."""
+    if max_model_len is not None and estimate.max_output_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"{estimate.output_param} is {estimate.max_output_tokens}, more than this model's "
+            f"context window of {max_model_len} tokens (prompt and output together). Set "
+            f"{estimate.output_param} to at most {max_model_len} minus the prompt's length.",
+            code="max_tokens_too_large",
+            param=estimate.output_param,
+        )
+
+
 def check_plan_limits(plan: Plan, estimate: TokenEstimate) -> None:
-    """Per-request limits of the plan: a request over them can never pass, so 400."""
+    """Per-request limits of the plan: a request over them can never pass, so 400 (a 429 would
+    be retried by clients that do not read ``x-should-retry``)."""
     if plan.max_prompt_tokens is not None and estimate.prompt_tokens > plan.max_prompt_tokens:
         raise InvalidRequestError(
             f"Your prompt has about {estimate.prompt_tokens} tokens; your plan allows at most "
             f"{plan.max_prompt_tokens} per request. Shorten the prompt.",
             code="prompt_too_long",
-            param="messages",
+            param=estimate.prompt_param,
         )
+    param = estimate.output_param
     if plan.max_output_tokens is not None and estimate.max_output_tokens > plan.max_output_tokens:
         raise InvalidRequestError(
-            f"max_tokens is {estimate.max_output_tokens} (or unset, which means the whole "
-            f"context window); your plan allows at most {plan.max_output_tokens}. Set "
-            f"max_tokens to {plan.max_output_tokens} or less.",
+            f"{param} is {estimate.max_output_tokens}; your plan allows at most "
+            f"{plan.max_output_tokens}. Set {param} to {plan.max_output_tokens} or less.",
             code="max_tokens_too_large",
-            param="max_tokens",
+            param=param,
+        )
+    if plan.tpm is not None and estimate.total_tokens > plan.tpm:
+        output_budget = (plan.tpm - estimate.prompt_tokens) // estimate.num_choices
+        if output_budget < 1:
+            raise InvalidRequestError(
+                f"Your prompt has about {estimate.prompt_tokens} tokens, more than your plan's "
+                f"{plan.tpm} tokens per minute: it can never be admitted. Shorten the prompt.",
+                code="request_too_large",
+                param=estimate.prompt_param,
+            )
+        raise InvalidRequestError(
+            f"This request needs up to {estimate.total_tokens} tokens (a prompt of about "
+            f"{estimate.prompt_tokens} plus {param}={estimate.max_output_tokens} x n="
+            f"{estimate.num_choices}), more than your plan's {plan.tpm} tokens per minute: it "
+            f"can never be admitted. Set {param} to {output_budget} or less.",
+            code="request_too_large",
+            param=param,
         )
 
 

@@ -70,6 +70,11 @@ class TokenEstimate:
     max_output_tokens: int
     """Per choice: the client's ``max_tokens`` or what the context window leaves."""
     num_choices: int
+    output_param: str = "max_tokens"
+    """The request's name for its output cap (``max_tokens`` or ``max_completion_tokens``),
+    so an error names the field the client actually sent."""
+    prompt_param: str = "messages"
+    """The request's name for its prompt (``messages``, or ``prompt`` for completions)."""
 
     @property
     def total_tokens(self) -> int:
@@ -92,7 +97,15 @@ async def estimate_tokens(
         prompt_tokens=prompt,
         max_output_tokens=requested_max_tokens(endpoint, body, prompt, max_model_len),
         num_choices=int(body.get("n") or 1),
+        output_param=output_param(body),
+        prompt_param="messages" if endpoint is Endpoint.CHAT else "prompt",
     )
+
+
+def output_param(body: dict[str, Any]) -> str:
+    """The field a request caps its output with (``max_completion_tokens`` wins, as in
+    ``requested_max_tokens``)."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
 
 
 def requested_max_tokens(

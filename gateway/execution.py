@@ -145,7 +145,7 @@ class Execution:
     async def _admit(self) -> Admission:
         try:
             self._admission = await self._gate.admit(
-                self._caller, self._endpoint, self._body, self.request, self._model.max_model_len,
+                self._caller, self._endpoint, self._body, self.request, self._model,
                 self._client_gone, on_reserved=self._on_reserved,
             )  # fmt: skip
         finally:

@@ -16,7 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from admission.controller import Admission, AdmissionController, used_tokens
+from admission.controller import (
+    Admission,
+    AdmissionController,
+    check_context_window,
+    used_tokens,
+)
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     TokenCounter,
@@ -33,6 +38,7 @@ from core.request import Request, RequestPhase
 from gateway.auth import Authenticator, Caller
 from gateway.deadlines import deadline_error
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline import ServedModel
 
 log = logging.getLogger("tandem.admission")
 
@@ -84,7 +90,7 @@ class Gate:
         endpoint: Endpoint,
         body: dict[str, Any],
         request: Request,
-        max_model_len: int | None,
+        model: ServedModel,
         client_gone: ClientGone | None = None,
         on_reserved: Callable[[dict[str, str]], None] | None = None,
     ) -> Admission:
@@ -101,8 +107,13 @@ class Gate:
             except TandemError as exc:
                 self._metrics.observe_rejection(exc.code)
                 raise
-        cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens)
-        estimate = await estimate_tokens(endpoint, body, self._counter, max_model_len)
+        cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens, model)
+        estimate = await estimate_tokens(endpoint, body, self._counter, model.max_model_len)
+        try:
+            check_context_window(estimate, model.max_model_len)
+        except TandemError as exc:
+            self._metrics.observe_rejection(exc.code)
+            raise
         deadline = time.monotonic() + self._config.queue_timeout_s
         if request.deadline is not None:
             deadline = min(deadline, request.deadline)
@@ -161,16 +172,21 @@ class Gate:
         self._metrics.observe_charged(admission.tenant.name, spent)
 
 
-def cap_output_tokens(endpoint: Endpoint, body: dict[str, Any], plan_max: int | None) -> None:
-    """A chat request without ``max_tokens`` means "up to the context window", which a plan
-    that caps output would refuse; most clients never set it, so the plan's cap is applied.
-    (Completions default to 16 tokens: only a smaller cap changes them.)"""
-    if plan_max is None or any(
-        body.get(field) is not None for field in ("max_tokens", "max_completion_tokens")
-    ):
+def cap_output_tokens(
+    endpoint: Endpoint, body: dict[str, Any], plan_max: int | None, model: ServedModel
+) -> None:
+    """Give a request without ``max_tokens`` its cap: the plan's ``max_output_tokens``, else
+    (chat) the served model's default, neither past the context window. Unset would mean "up
+    to the context window": thousands of tokens streamed to a client that asked one question,
+    and a reservation of the whole window against the tenant's TPM. Most clients never set it.
+    (Completions default to 16 tokens, OpenAI's default: only a smaller plan cap changes them.)"""
+    if any(body.get(field) is not None for field in ("max_tokens", "max_completion_tokens")):
         return
-    if endpoint is Endpoint.CHAT or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
-        body["max_tokens"] = plan_max
+    if plan_max is not None:
+        if endpoint is Endpoint.CHAT or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
+            body["max_tokens"] = min(plan_max, model.max_model_len or plan_max)
+    elif endpoint is Endpoint.CHAT and model.output_cap is not None:
+        body["max_tokens"] = model.output_cap
 
 
 async def unless_client_leaves(

@@ -59,9 +59,20 @@ class ServedModel:
     name."""
     deployment: str = "default"
     """The deployment serving it (a rollout arm, in time)."""
+    default_max_tokens: int | None = None
+    """The output cap of a chat request that sets none (a plan's ``max_output_tokens`` wins);
+    None: up to the context window, as OpenAI's API. See ``output_cap``."""
     kv_geometry: KvGeometry | None = None
     """Bytes per KV block on its workers, to count what each transfer hands over; None when
     the model's shape is not known (external workers without a model folder)."""
+
+    @property
+    def output_cap(self) -> int | None:
+        """``default_max_tokens``, never past the context window (the engine refuses a larger
+        ``max_tokens``; it shortens one that only the prompt pushes past the window)."""
+        if self.default_max_tokens is None or self.max_model_len is None:
+            return self.default_max_tokens
+        return min(self.default_max_tokens, self.max_model_len)
 
 
 class ServingPipeline:

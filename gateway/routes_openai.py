@@ -103,6 +103,7 @@ async def list_models(http_request: HttpRequest, services: ServicesDep) -> dict[
                 "created": model.created,
                 "owned_by": "tandem",
                 "max_model_len": model.max_model_len,
+                "default_max_tokens": model.output_cap,
             }
             for model in services.pipeline.models
         ],

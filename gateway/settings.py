@@ -61,13 +61,16 @@ class TandemSettings(BaseSettings):
     cpu_binding: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["0", "1"])
     """OpenMP thread binding per managed worker (prefill ones first), e.g. ``0`` and ``1``."""
     kv_cache_gib: int = Field(1, ge=1)
+    """KV cache per CPU worker, in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     kv_block_size: int = Field(128, ge=1)
     """Tokens per KV block (vLLM's ``--block-size``; 128 is vLLM's own on CPU, 16 on GPUs).
     Managed workers get it; set it to external workers' value so the KV bytes each request
     hands over can be counted."""
-    """KV cache per CPU worker, in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     max_model_len: int | None = Field(None, ge=16)
     """Context window the workers serve; unset = the model's own."""
+    default_max_tokens: int = Field(1024, ge=0)
+    """Output cap of a chat request that sets no ``max_tokens`` (a plan's ``max_output_tokens``
+    wins), listed in ``/v1/models``; 0 = none, up to the context window as OpenAI's API."""
     enforce_eager: bool = False
     """Skip graph compilation: boots in ~50 s instead of ~2 min, decodes somewhat slower."""
     dtype: str = "float32"

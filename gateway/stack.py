@@ -161,7 +161,13 @@ class Stack:
             else None
         )
         model = ServedModel(
-            name, max_len, int(time.time()), version, settings.deployment, kv_geometry=geometry
+            name,
+            max_len,
+            int(time.time()),
+            version,
+            settings.deployment,
+            default_max_tokens=settings.default_max_tokens or None,
+            kv_geometry=geometry,
         )
         return cls(settings, prefill, decode, model, prepared.path if prepared else None)
 

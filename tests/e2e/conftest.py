@@ -25,6 +25,7 @@ import pytest
 BOOT_TIMEOUT_S = 900.0
 ADMIN_KEY = "e2e-admin-key"
 MAX_MODEL_LEN = 1024  # small, so the context-length test needs only a modest prompt
+DEFAULT_MAX_TOKENS = 48  # the cap of a chat request without max_tokens (well below the window)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         "TANDEM_SIDE_CHANNEL_BASE_PORT": str(base + 3),
         "TANDEM_ENFORCE_EAGER": "true",  # boots in about half the time; tests need no speed
         "TANDEM_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "TANDEM_DEFAULT_MAX_TOKENS": str(DEFAULT_MAX_TOKENS),
         "TANDEM_LOG_DIR": str(workdir / "logs"),
         "TANDEM_STATE_DIR": str(workdir / "state"),
         "TANDEM_ADMIN_KEY": ADMIN_KEY,

@@ -19,7 +19,7 @@ def _remaining_tokens(live_stack: LiveStack, tenant: str) -> int:
     return int(usage["tokens"]["remaining"])
 
 
-def test_quota_headers_refund_and_429_with_real_usage(live_stack: LiveStack) -> None:
+def test_quota_headers_refund_and_400_for_requests_that_never_fit(live_stack: LiveStack) -> None:
     key = live_stack.new_tenant("quota-e2e", tpm=6000, rpm=1000)
     client = openai.OpenAI(base_url=f"{live_stack.base_url}/v1", api_key=key, max_retries=0)
 
@@ -43,11 +43,16 @@ def test_quota_headers_refund_and_429_with_real_usage(live_stack: LiveStack) -> 
         >= reserved_left + (200 - usage.total_tokens) - 10
     )
 
-    # More than the whole plan: never admitted, and the SDK is told not to retry.
-    with pytest.raises(openai.RateLimitError) as caught:
+    # More than the whole plan: never admitted, a 400 naming the field (the SDK never retries
+    # it); more than the model's context window likewise, before any quota is reserved.
+    with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=7000)
-    assert caught.value.code == "insufficient_quota"
-    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert (caught.value.code, caught.value.param) == ("request_too_large", "max_tokens")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=live_stack.model, messages=QUESTION, max_tokens=10_000_000
+        )
+    assert (caught.value.code, caught.value.param) == ("max_tokens_too_large", "max_tokens")
 
 
 def test_unknown_key_is_401_on_the_real_stack(live_stack: LiveStack) -> None:

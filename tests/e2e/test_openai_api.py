@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import LiveStack
+from tests.e2e.conftest import DEFAULT_MAX_TOKENS, MAX_MODEL_LEN, LiveStack
 
 pytestmark = pytest.mark.e2e
 
@@ -18,6 +18,27 @@ def test_models_list(client: openai.OpenAI, live_stack: LiveStack) -> None:
     assert [model.id for model in models.data] == [live_stack.model]
     assert models.data[0].object == "model"
     assert models.data[0].owned_by == "tandem"
+    assert models.data[0].model_extra is not None
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert models.data[0].model_extra["default_max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_a_chat_stream_without_max_tokens_stops_at_the_default_cap(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    """The README's example sends no max_tokens: without a cap it once streamed for minutes."""
+    stream = client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish_reasons[-1] in ("length", "stop")
+    usage = chunks[-1].usage
+    assert usage is not None and 0 < usage.completion_tokens <= DEFAULT_MAX_TOKENS
 
 
 def test_chat_non_streaming(client: openai.OpenAI, live_stack: LiveStack) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from admission.controller import ControllerConfig, StoreFailurePolicy
 from gateway.app import AccessConfig
+from gateway.pipeline import ServedModel
 from gateway.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
 from tests.redis_server import RedisServer, running_redis
@@ -227,31 +228,90 @@ async def test_rpm_exhausted_is_429_with_retry_hints(quota_stack: FakeStack) -> 
     assert usage["requests"]["remaining"] == 0
 
 
-async def test_a_request_larger_than_tpm_is_insufficient_quota(quota_stack: FakeStack) -> None:
+async def test_a_request_larger_than_tpm_is_400_naming_the_parameter(
+    quota_stack: FakeStack,
+) -> None:
+    """It can never pass, so it is not a 429: clients retry those, whatever x-should-retry says."""
     stack = quota_stack
     api_key = await stack.new_tenant("acme", tpm=100)
     refused = await _post(stack, api_key, _chat(max_tokens=200))
-    assert refused.status_code == 429
+    assert refused.status_code == 400
     error = _error(refused)
-    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
-    assert "max_tokens" in error["message"]
-    # It can never pass: the SDK is told not to retry, and no wait is promised.
-    assert refused.headers["x-should-retry"] == "false"
-    assert "retry-after" not in refused.headers
-    assert refused.headers["x-ratelimit-remaining-tokens"] == "100"
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "request_too_large", "max_tokens",
+    )  # fmt: skip
+    # It says what would fit: 100 tokens a minute less the prompt's estimate.
+    assert f"max_tokens to {100 - QUESTION_TOKENS} or less" in error["message"]
+    completion_tokens = await _post(
+        stack, api_key, {**_chat(), "max_completion_tokens": 200, "n": 2}
+    )
+    assert completion_tokens.status_code == 400
+    assert _error(completion_tokens)["param"] == "max_completion_tokens"
+    prompt_alone = await _post(stack, api_key, _chat("word " * 200, max_tokens=1))
+    assert prompt_alone.status_code == 400
+    assert (_error(prompt_alone)["code"], _error(prompt_alone)["param"]) == (
+        "request_too_large", "messages",
+    )  # fmt: skip
 
-    # The official client, with its default retries, gives up at once as told.
+    # The official client, with its default retries, does not retry a 400.
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=api_key, max_retries=2)
     async with client:
-        with pytest.raises(openai.RateLimitError) as caught:
+        with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=200)
-    assert caught.value.code == "insufficient_quota"
-    rejections = await _metric(
-        stack, "tandem_admission_rejections_total", code="insufficient_quota"
-    )
-    assert rejections == 2, "one refusal each: the SDK did not retry"
-    # Nothing was taken: a request that fits still passes.
-    assert (await _post(stack, api_key, _chat(max_tokens=10))).status_code == 200
+    assert (caught.value.code, caught.value.param) == ("request_too_large", "max_tokens")
+    rejections = await _metric(stack, "tandem_admission_rejections_total", code="request_too_large")
+    assert rejections == 4, "one refusal each: the SDK did not retry"
+    # Nothing was taken: a request that fits still passes with the whole bucket.
+    fits = await _post(stack, api_key, _chat(max_tokens=10))
+    assert fits.status_code == 200
+    assert fits.headers["x-ratelimit-remaining-tokens"] == str(100 - QUESTION_TOKENS - 10)
+
+
+async def test_a_chat_request_without_max_tokens_gets_the_models_default_cap(
+    tmp_path: Path,
+) -> None:
+    """Unset max_tokens means "up to the context window": one question could stream for
+    minutes. The served model's default caps it (listed in /v1/models); a plan's cap wins."""
+    model = ServedModel(MODEL, 256, 0, default_max_tokens=12)
+    async with make_fake_stack(access=_access(tmp_path), model=model) as stack:
+        listed = (await stack.client.models.list()).data[0]
+        assert listed.model_extra is not None
+        assert (listed.model_extra["default_max_tokens"], listed.model_extra["max_model_len"]) == (
+            12, 256,
+        )  # fmt: skip
+
+        assert (await _post(stack, stack.api_key, _chat())).status_code == 200
+        assert stack.decode.stats.requests[-1]["body"]["max_tokens"] == 12
+        capped = await stack.new_tenant("capped", max_output_tokens=20)
+        assert (await _post(stack, capped, _chat())).status_code == 200
+        assert stack.decode.stats.requests[-1]["body"]["max_tokens"] == 20
+        for explicit in ({"max_tokens": 40}, {"max_completion_tokens": 40}):
+            assert (await _post(stack, stack.api_key, _chat(**explicit))).status_code == 200
+            sent = stack.decode.stats.requests[-1]["body"]
+            assert sent.get("max_tokens", sent.get("max_completion_tokens")) == 40
+        # Completions keep OpenAI's own default of 16 tokens.
+        async with httpx.AsyncClient(base_url=stack.base_url) as http:
+            completion = await http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "Once upon a time"},
+                headers=stack.auth_headers,
+            )
+        assert completion.status_code == 200, completion.text
+        assert "max_tokens" not in stack.decode.stats.requests[-1]["body"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_an_output_cap_beyond_the_context_window_is_400_naming_it(
+    stack: FakeStack, field: str
+) -> None:
+    """Never a 429 (nothing the client waits for can make it fit) and no quota is reserved."""
+    api_key = await stack.new_tenant("acme", tpm=100_000, rpm=100)
+    refused = await _post(stack, api_key, _chat(**{field: 10_000_000}))
+    assert refused.status_code == 400
+    error = _error(refused)
+    assert (error["code"], error["param"]) == ("max_tokens_too_large", field)
+    assert "context window of 256 tokens" in error["message"]
+    assert (await _usage(stack, "acme"))["requests"]["remaining"] == 100
 
 
 async def test_unused_tokens_are_returned_after_the_request(quota_stack: FakeStack) -> None:

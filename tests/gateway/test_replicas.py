@@ -377,8 +377,8 @@ async def test_revocation_and_plan_changes_reach_the_other_replica(replicas: Rep
         served = await on_b.post("/v1/completions", json=completion_body(), headers=headers)
         assert served.status_code == 200, served.text  # B caches the tenant's large plan
 
-        # A TPM below one request's estimate: B must refuse every request outright (429,
-        # insufficient_quota, do not retry) as soon as it sees the new plan.
+        # A TPM below one request's estimate: B must refuse every request outright (400: it
+        # can never fit the plan) as soon as it sees the new plan.
         small_tpm = ESTIMATE - 1
         patched = await admin_a.patch("/admin/v1/tenants/resized", json={"tpm": small_tpm})
         assert patched.status_code == 200, patched.text
@@ -386,12 +386,12 @@ async def test_revocation_and_plan_changes_reach_the_other_replica(replicas: Rep
 
         async def b_enforces_small_plan() -> bool:
             last[:] = [await on_b.post("/v1/completions", json=completion_body(), headers=headers)]
-            return last[0].status_code == 429
+            return last[0].status_code == 400
 
         took_s = await seconds_until(b_enforces_small_plan, PROPAGATION_S)
-        assert last[0].json()["error"]["code"] == "insufficient_quota"
-        assert last[0].headers["x-should-retry"] == "false"
-        assert last[0].headers["x-ratelimit-limit-tokens"] == str(small_tpm)
+        error = last[0].json()["error"]
+        assert (error["code"], error["param"]) == ("request_too_large", "max_tokens")
+        assert f"your plan's {small_tpm} tokens per minute" in error["message"]
         print(f"plan change reached B after {took_s:.2f} s")
 
         # And back: raising the plan through A lets B serve the tenant again.
