@@ -1,4 +1,4 @@
-"""The ``x-ratelimit-*`` headers OpenAI clients read (WIRE.md §2)."""
+"""The ``x-ratelimit-*`` headers OpenAI clients read (docs/WIRE.md §2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Idempotency keys: parse the header, fingerprint the body, and store claims and results.
 
-Semantics (WIRE.md §3; the in-memory store here and the Redis store's Lua scripts implement
+Semantics (docs/WIRE.md §3; the in-memory store here and the Redis store's Lua scripts implement
 exactly these):
 
 - A key is scoped by tenant, route and the client's key (``scope_key``); the body's

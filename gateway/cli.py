@@ -227,7 +227,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
 
 
 def _tune_garbage_collector() -> None:
-    """Keep collector pauses out of streams (shared/PERF_NOTES.md; measured by bench/overhead).
+    """Keep collector pauses out of streams (measured by bench/overhead).
 
     What exists before serving (the app, its stores, the imported libraries) lives as long as
     the process: frozen, full collections no longer re-scan it (each took ~0.1 s under load). A

@@ -1,4 +1,4 @@
-"""``Idempotency-Key`` (WIRE.md §3): a retried request runs once, and its retry gets the answer.
+"""``Idempotency-Key`` (docs/WIRE.md §3): a retried request runs once; its retry gets the answer.
 
     claim(tenant + route + key, fingerprint of the body)
       Replay     -> the stored answer (JSON, or re-chunked SSE), ``Idempotent-Replayed: true``,
@@ -184,7 +184,7 @@ class IdempotentRuns:
     async def _settle_key(
         self, key: IdempotentKey, request: Request, status: int, body: dict[str, Any]
     ) -> None:
-        """Store the answer if an engine saw the request; else free the key (WIRE.md §3:
+        """Store the answer if an engine saw the request; else free the key (docs/WIRE.md §3:
         rejected before execution, nothing stored)."""
         try:
             if request.path is None:

@@ -116,7 +116,7 @@ class RelayStream:
                         yield self._emit(self._usage_chunk(chunk, request.usage))
                     break
         except TandemError as exc:
-            # Headers are gone: the error becomes one event and the stream ends (WIRE.md §1).
+            # Headers are gone: the error becomes one event and the stream ends (docs/WIRE.md §1).
             self.error = exc
             request.fail(exc.code)
             log.warning("request %s failed mid-stream: %s", request.request_id, exc.message)

@@ -2,11 +2,11 @@
 
 Tandem stores the result of an idempotent request as OpenAI's non-streaming body
 (``chat.completion`` or ``text_completion``) whichever way the client asked for it, because a
-retry may switch between ``stream: true`` and ``false`` (WIRE.md §3). Two pure functions of
+retry may switch between ``stream: true`` and ``false`` (docs/WIRE.md §3). Two pure functions of
 that body, no I/O:
 
 - :class:`StreamAssembler` folds the chunks the gateway sent to a client into that body;
-- :func:`rechunk` turns the body back into the chunks a streaming retry receives (WIRE.md §1
+- :func:`rechunk` turns the body back into the chunks a streaming retry receives (docs/WIRE.md §1
   framing, without the SSE ``[DONE]``, which the caller frames).
 
 ``StreamAssembler`` fed ``rechunk(body)`` gives ``body`` back for any body in the form
@@ -196,7 +196,7 @@ def _fold_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> 
 def rechunk(
     body: dict[str, Any], endpoint: Endpoint, *, include_usage: bool, max_chars: int = 64
 ) -> list[dict[str, Any]]:
-    """The chunks a client streaming ``body`` would have received (WIRE.md §1), without
+    """The chunks a client streaming ``body`` would have received (docs/WIRE.md §1), without
     ``[DONE]``.
 
     Every chunk has the body's ``id``, ``created`` and ``model``. Chat: per choice a role chunk

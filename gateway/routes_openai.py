@@ -113,7 +113,7 @@ async def list_models(http_request: HttpRequest, services: ServicesDep) -> dict[
 async def _serve(
     endpoint: Endpoint, schema: type[BaseModel], http_request: HttpRequest, services: OpenAIServices
 ) -> Response:
-    """auth -> validate -> model -> moderate input -> idempotency -> admit -> run (WIRE.md)."""
+    """auth -> validate -> model -> moderate input -> idempotency -> admit -> run (docs/WIRE.md)."""
     headers = http_request.headers
     caller = await services.gate.authenticate(headers.get("authorization"))
     body = await _json_body(http_request)

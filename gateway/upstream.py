@@ -1,7 +1,7 @@
 """HTTP client to the vLLM workers: the gateway's hot path.
 
-aiohttp rather than httpx: measured 10-20x cheaper per request as an upstream client
-(shared/PERF_NOTES.md). One pooled session for the gateway's lifetime, owned by ``EngineClient``.
+aiohttp rather than httpx: measured 10-20x cheaper per request as an upstream client on a
+2-core machine. One pooled session for the gateway's lifetime, owned by ``EngineClient``.
 Engine answers are translated here into Tandem's errors, so nothing above sees aiohttp or vLLM's
 error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
 """

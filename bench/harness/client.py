@@ -1,7 +1,7 @@
 """Send one streaming request and measure it, checking the stream on the way.
 
-One shared ``aiohttp`` session (the cheapest Python HTTP client per request, see
-shared/PERF_NOTES.md) so the load generator is not the bottleneck it measures. The stream is read
+One shared ``aiohttp`` session (the cheapest Python HTTP client per request, measured
+on a 2-core machine) so the load generator is not the bottleneck it measures. The stream is read
 line by line as Server-Sent Events; a stream that breaks the protocol counts as a failure, not as
 a fast request:
 

@@ -10,7 +10,7 @@ the fake decode engine, through Tandem (two legs, and colocated), and through Li
 when it is installed (``--litellm``, default ``.venv-litellm/bin/litellm``). Reported per target
 and level: TTFT/ITL p50/p99 and what the server adds over direct, the server's CPU per request
 and per streamed chunk, requests/s and errors; then Tandem/LiteLLM ratios, the split of CPU into
-a fixed part per request and a part per chunk next to shared/PERF_NOTES.md's anchors, and (with
+a fixed part per request and a part per chunk next to the anchors in ``measure.ANCHORS``, and (with
 ``--profile``) where the gateway's time goes. See ``runs``, ``measure`` and ``servers`` for the
 definitions and the configurations.
 """

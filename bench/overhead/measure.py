@@ -148,10 +148,11 @@ class Cost:
 
 
 ANCHORS = {
-    "bare relay (PERF_NOTES)": Cost(ms_per_request=0.13, ms_per_chunk=0.024),
-    "LiteLLM 1.106 (PERF_NOTES)": Cost(ms_per_request=22.0, ms_per_chunk=0.6),
+    "bare relay (anchor)": Cost(ms_per_request=0.13, ms_per_chunk=0.024),
+    "LiteLLM 1.106 (anchor)": Cost(ms_per_request=22.0, ms_per_chunk=0.6),
 }
-"""shared/PERF_NOTES.md, measured on this kind of 2-core machine with the same pinning."""
+"""Reference costs measured on this kind of 2-core machine with the same pinning: a bare aiohttp
+relay (the floor for any Python gateway) and LiteLLM's proxy 1.106."""
 
 
 def per_unit_ms(cpu_s: float | None, count: int) -> float | None:

@@ -129,7 +129,7 @@ def versus_table(results: Sequence[LevelResult], tandem: str, other: str) -> Tab
 
 
 def cost_table(fits: Mapping[str, Cost], chunks_per_request: float, how: str) -> Table:
-    table = Table(title=f"CPU per request + per chunk ({how}) next to PERF_NOTES' anchors")
+    table = Table(title=f"CPU per request + per chunk ({how}) next to the anchors")
     for name in ("source", "ms/request", "ms/chunk", f"ms per {chunks_per_request:.0f}-chunk req"):
         table.add_column(name, justify="left" if name == "source" else "right")
     for source, cost in [*fits.items(), *ANCHORS.items()]:

@@ -5,7 +5,8 @@ Fake run, per target in turn (``direct``, ``tandem-2leg``, ``tandem-colocated``,
 start its server on the server core, run every concurrency level, then, for servers, a
 1-token level (the fixed cost per request, for the per-chunk split), the profiled level (first
 Tandem target only) and the check of which serving path the gateway counted; stop the server.
-The load generator and the fake engines share the other core, as in shared/PERF_NOTES.md.
+The load generator and the fake engines share the other core, as when the anchors in
+``measure.ANCHORS`` were measured.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``Idempotency-Key`` through the real gateway (WIRE.md §3), against both idempotency stores:
+"""``Idempotency-Key`` through the real gateway (docs/WIRE.md §3), against both idempotency stores:
 the embedded in-memory one and a real Redis.
 
 What a client sees: concurrent retries run once (the others get 409 ``idempotency_key_in_use``
@@ -469,7 +469,7 @@ async def test_a_mid_stream_error_is_stored_as_the_error(
     assert _runs(stack.decode, marker) == 1
 
     stack.decode.error_after_tokens = None
-    # WIRE.md §3: the stored result is the engine error; a retry gets it with the error's own
+    # docs/WIRE.md §3: the stored result is the engine error; a retry gets it with the error's own
     # status (a replay has no partial answer to stream first), as JSON or as a stream.
     for retry_stream in (True, False):
         replayed = await http.post(CHAT, json=_chat(marker, stream=retry_stream), headers=key)

@@ -1,5 +1,5 @@
 """Streams that never break a client: heartbeats while queued, prefilling or between slow
-tokens; deadlines through queue and decode; disconnects stop engine work (WIRE.md §1)."""
+tokens; deadlines through queue and decode; disconnects stop engine work (docs/WIRE.md §1)."""
 
 from __future__ import annotations
 
