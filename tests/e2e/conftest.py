@@ -132,6 +132,24 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         leftover.kill()
     assert process.returncode == 0, f"tandem up exited with {process.returncode}; log: {log_path}"
     assert not alive, f"orphans left after SIGTERM: {[p.pid for p in alive]}"
+    _assert_clean_worker_shutdowns(workdir / "logs")
+
+
+SHUTDOWN_START = "[shutdown] API server: shutdown triggered"
+
+
+def _assert_clean_worker_shutdowns(log_dir: Path) -> None:
+    """Each worker's last shutdown (the one ``tandem up`` asked for) logs as clean: vLLM stopped
+    its engine in order, no traceback (earlier ones may come from the fault tests' kills)."""
+    logs = sorted(log_dir.glob("*.log"))
+    assert logs, f"no worker logs in {log_dir}"
+    for path in logs:
+        text = path.read_text(errors="replace")
+        assert SHUTDOWN_START in text, f"{path.name}: the worker was not asked to shut down"
+        last = text[text.rindex(SHUTDOWN_START) :]
+        assert "engine client stopped" in last, f"{path.name}: engine not stopped in order"
+        for sign in ("Traceback", "EngineDeadError", "force kill"):
+            assert sign not in last, f"{path.name}: {sign!r} in a clean shutdown:\n{last[:3000]}"
 
 
 def _alive(proc: psutil.Process) -> bool:
