@@ -45,8 +45,10 @@ def test_quota_headers_refund_and_400_for_requests_that_never_fit(live_stack: Li
 
     # More than the whole plan: never admitted, a 400 naming the field (the SDK never retries
     # it); more than the model's context window likewise, before any quota is reserved.
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=live_stack.model, messages=QUESTION, max_tokens=7000)
+    with pytest.raises(openai.BadRequestError) as caught:  # 6 x 1000 tokens and the prompt
+        client.chat.completions.create(
+            model=live_stack.model, messages=QUESTION, max_tokens=1000, n=6
+        )
     assert (caught.value.code, caught.value.param) == ("request_too_large", "max_tokens")
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
