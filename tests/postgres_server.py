@@ -22,7 +22,6 @@ from pathlib import Path
 from urllib.parse import quote
 
 import psycopg
-import pytest
 from psycopg import sql
 
 START_TIMEOUT_S = 20.0
@@ -150,6 +149,9 @@ def running_postgres() -> Iterator[PostgresServer]:
     """
     bindir = find_bindir()
     if bindir is None:
+        # Imported here: bench.ledger starts this server too, from an install without pytest.
+        import pytest
+
         pytest.fail(
             "PostgreSQL is not installed (no initdb on PATH or under /usr/lib/postgresql/*/bin): "
             "run scripts/install --dev; the billing ledger tests run against a real server and "
