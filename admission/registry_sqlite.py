@@ -39,6 +39,7 @@ from admission.tenants import (
     new_id,
     new_key_secret,
 )
+from core.sqlite import enable_wal
 
 _T = TypeVar("_T")
 
@@ -284,7 +285,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
     )
     try:
-        _set_wal(conn)
+        enable_wal(conn, BUSY_TIMEOUT_S)
         # In WAL mode NORMAL loses at most the last commits on power loss, never consistency.
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
@@ -293,20 +294,6 @@ def _connect(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
-
-
-def _set_wal(conn: sqlite3.Connection) -> None:
-    """WAL mode, waiting out another connection that holds the file: switching the journal mode
-    can answer "database is locked" at once instead of using the busy timeout."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_S
-    while True:
-        try:
-            conn.execute("PRAGMA journal_mode = WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)  # on the registry's own thread, never the event loop
 
 
 def _migrate(conn: sqlite3.Connection, path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import fcntl
 import sqlite3
 import threading
 import time
@@ -35,6 +34,7 @@ from billing.store import (
     RequestLogEntry,
     UsageQuery,
 )
+from core.sqlite import enable_wal
 
 _INSERT_USAGE = (
     f"INSERT INTO tandem_usage ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
@@ -376,12 +376,8 @@ class SqliteLedgerStore(SqlLedgerStore):
         connection = sqlite3.connect(
             self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
         )
-        # Switching a new file to WAL takes an exclusive lock, and SQLite answers "database is
-        # locked" at once (no busy wait: it would deadlock) to a second connection switching at
-        # the same moment. So connections take turns, across processes (two gateways starting
-        # on one ledger); once the file is in WAL the statement only reads the mode.
-        with _file_lock(self.path.with_name(self.path.name + ".open-lock")):
-            connection.execute("PRAGMA journal_mode=WAL")
+        # Two gateways starting on one new ledger switch it to WAL at the same moment.
+        enable_wal(connection, self._busy_timeout_s)
         # FULL: a committed batch survives power loss, so its spool file may be deleted.
         connection.execute("PRAGMA synchronous=FULL")
         return connection
@@ -477,14 +473,3 @@ def _usage_row(record: UsageRecord) -> tuple[Any, ...]:
 
 def _usage_record(row: Sequence[Any]) -> UsageRecord:
     return UsageRecord.from_dict(dict(zip(COLUMNS, row, strict=True)))
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if missing), for threads and processes."""
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -95,7 +95,7 @@ def test_concurrent_migrations_apply_once(ledger_database: LedgerDatabase) -> No
 def test_gateways_opening_one_new_sqlite_ledger_together_are_not_refused(tmp_path: Path) -> None:
     """Switching a new SQLite file to WAL is refused at once ("database is locked", no busy
     wait) to a second connection switching at the same moment: seen in about one round in
-    twenty without the open lock, so a hundred rounds make the race show."""
+    twenty without ``core.sqlite.enable_wal``'s wait, so a hundred rounds make the race show."""
 
     def open_ledger(
         store: SqliteLedgerStore, barrier: threading.Barrier, errors: list[str]
