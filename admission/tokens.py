@@ -103,8 +103,7 @@ async def estimate_tokens(
 
 
 def output_param(body: dict[str, Any]) -> str:
-    """The field a request caps its output with (``max_completion_tokens`` wins, as in
-    ``requested_max_tokens``)."""
+    """The field a request caps its output with (``max_completion_tokens`` wins when set)."""
     return "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
 
 
@@ -112,7 +111,7 @@ def requested_max_tokens(
     endpoint: Endpoint, body: dict[str, Any], prompt_tokens: int, max_model_len: int | None
 ) -> int:
     """The output cap per choice: the client's, else the endpoint's default, else the window."""
-    explicit = body.get("max_completion_tokens") or body.get("max_tokens")
+    explicit = body.get(output_param(body))
     if explicit is not None:
         return int(explicit)
     if endpoint is Endpoint.COMPLETIONS:

@@ -184,7 +184,7 @@ def cap_output_tokens(
         return
     if plan_max is not None:
         if endpoint is Endpoint.CHAT or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
-            body["max_tokens"] = min(plan_max, model.max_model_len or plan_max)
+            body["max_tokens"] = model.within_window(plan_max)
     elif endpoint is Endpoint.CHAT and model.output_cap is not None:
         body["max_tokens"] = model.output_cap
 

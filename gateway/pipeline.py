@@ -68,11 +68,15 @@ class ServedModel:
 
     @property
     def output_cap(self) -> int | None:
-        """``default_max_tokens``, never past the context window (the engine refuses a larger
-        ``max_tokens``; it shortens one that only the prompt pushes past the window)."""
-        if self.default_max_tokens is None or self.max_model_len is None:
-            return self.default_max_tokens
-        return min(self.default_max_tokens, self.max_model_len)
+        """``default_max_tokens``, within the context window."""
+        if self.default_max_tokens is None:
+            return None
+        return self.within_window(self.default_max_tokens)
+
+    def within_window(self, max_tokens: int) -> int:
+        """``max_tokens`` no longer than the context window: the engine refuses a larger one
+        (it shortens one that only the prompt pushes past the window)."""
+        return max_tokens if self.max_model_len is None else min(max_tokens, self.max_model_len)
 
 
 class ServingPipeline:
