@@ -79,17 +79,18 @@ async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response
     """The streaming response for ``source``: committed at once if it opens within one
     heartbeat interval (errors then raise, as HTTP statuses), else committed with a ping."""
     opening = asyncio.ensure_future(source.open_stream())
-    answered = asyncio.ensure_future(source.quota_answered())
     try:
         await asyncio.wait((opening,), timeout=ping_interval_s or None)
-        if not opening.done():
-            await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
+        if not opening.done():  # only slow requests pay for the second wait
+            answered = asyncio.ensure_future(source.quota_answered())
+            try:
+                await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await _cancel(answered)
     except BaseException:
         await _cancel(opening)
         await source.aclose()
         raise
-    finally:
-        await _cancel(answered)
     if opening.done():
         try:
             opening.result()
