@@ -27,7 +27,6 @@ from admission.quota import (
     StoreUnavailable,
 )
 from admission.tenants import Tenant
-from admission.tokens import TokenEstimate
 from core.errors import (
     InvalidRequestError,
     QuotaExhaustedError,
@@ -35,6 +34,7 @@ from core.errors import (
     StoreUnavailableError,
 )
 from core.messages import Usage
+from core.prompt import TokenEstimate
 
 log = logging.getLogger("tandem.admission")
 

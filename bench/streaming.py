@@ -53,12 +53,12 @@ import orjson
 import uvicorn
 
 from core.messages import WorkerRole
+from core.models import ServedModel
 from core.moderation import ModerationPolicy
-from gateway.app import AccessConfig, GatewayConfig, create_app
-from gateway.content_policy import ModerationSetup
-from gateway.pipeline import ServedModel
-from gateway.stores import StoreConfig
-from gateway.upstream import UpstreamConfig
+from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.stores import StoreConfig
+from gateway.serving.content_policy import ModerationSetup
+from gateway.serving.upstream import UpstreamConfig
 from moderation.stream import StreamConfig
 from workers.pool import PoolConfig, WorkerPool
 
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.serve:
         raise_open_file_limit()
-        import uvloop  # as `tandem up` runs the gateway (gateway/cli.py)
+        import uvloop  # as `tandem up` runs the gateway (gateway/cli/main.py)
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(args))

@@ -3,6 +3,10 @@
 A request moves forward through ``RequestPhase`` only; steps that a path does not take (a
 colocated request has no prefill leg) are skipped, never revisited. ``FINISHED``, ``FAILED`` and
 ``ABORTED`` are terminal: every request accepted by the gateway ends in exactly one of them.
+
+Every change of phase, path or body goes through a method here, which refuses a change the
+lifecycle does not allow (``PhaseError``: a bug in the caller, never a client error). The
+gateway's flow (``gateway/serving/flow.py``) is the only caller that ends a request.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from core.messages import ServingPath, Usage
+from core.messages import Endpoint, ServingPath, Usage
+from core.models import ServedModel
 from core.moderation import ModerationDecision
+from core.prompt import Prompt, TokenEstimate
 
 
 class RequestPhase(enum.IntEnum):
@@ -38,25 +45,45 @@ class PhaseError(RuntimeError):
     """A transition the phase machine forbids: a bug in the caller, not a client error."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
-    """State of one client request inside the gateway."""
+    """One client request inside the gateway: what was asked, and how far it got.
+
+    Build it with ``Request.receive``, which reads the body once (the prompt view, ``stream``,
+    ``include_usage``); every later reader uses those fields instead of the body.
+    """
 
     request_id: str
-    model: str
-    stream: bool
+    endpoint: Endpoint
+    model: ServedModel
+    """The served model the body's ``model`` resolved to."""
+    body: dict[str, Any]
+    """What the engine gets: the client's validated JSON, redacted by input moderation and
+    given its output cap at admission (``redact``, ``cap_output``)."""
+    prompt: Prompt
+    """The body's prompt, parsed once: moderation, token counting, the decider and prefix
+    affinity read it."""
+    stream: bool = False
+    include_usage: bool = False
+    """The client asked for the usage chunk (``stream_options.include_usage``)."""
+    tenant_id: str | None = None
+    key_id: str | None = None
+    """The API key the request came with (None for the anonymous tenant)."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which the request must end; queue, legs and stream honour it."""
     created: int = field(default_factory=lambda: int(time.time()))
     phase: RequestPhase = RequestPhase.RECEIVED
+    estimate: TokenEstimate | None = None
+    """The most it may cost, counted at admission with the served model's tokenizer."""
+    record_id: str | None = None
+    """The ledger's key for this request when it is not the request id: the same for every
+    run of an idempotent request, so it is billed once."""
+    engine_ran: bool = False
+    """A leg was sent to a worker: from then on the engine may have done work for it."""
     path: ServingPath | None = None
     path_reason: str | None = None  # why that path (kv_transfer.decider.Reason)
     prefill_worker: str | None = None
     decode_worker: str | None = None
-    tenant_id: str | None = None
-    key_id: str | None = None
-    """The API key the request came with (None for the anonymous tenant)."""
-    record_id: str | None = None
-    """The ledger's key for this request when it is not the request id: the same for every
-    run of an idempotent request, so it is billed once."""
     prefill_leg_s: float | None = None
     """Duration of the prefill leg (disaggregated requests only)."""
     kv_blocks: int | None = None
@@ -74,8 +101,6 @@ class Request:
     usage: Usage | None = None
     """The engine's count: its final usage chunk, or the latest running count (vLLM's
     ``continuous_usage_stats``) when the stream was cut, so what was produced is billed."""
-    deadline: float | None = None
-    """``time.monotonic()`` by which the request must end; queue, legs and stream honour it."""
     moderation: list[ModerationDecision] = field(default_factory=list)
     """Every moderation decision taken on this request (input and output, flags included)."""
     finish_reason: str | None = None
@@ -84,21 +109,139 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
 
-    def advance(self, phase: RequestPhase) -> None:
-        """Move forward to non-terminal ``phase``; skipping phases is allowed, going back is not."""
-        if phase.is_terminal:
-            raise PhaseError(f"use finish/fail/abort to end a request, not advance({phase.name})")
-        self._check_open(phase)
-        if phase <= self.phase:
+    @classmethod
+    def receive(
+        cls,
+        request_id: str,
+        endpoint: Endpoint,
+        model: ServedModel,
+        body: dict[str, Any],
+        *,
+        tenant_id: str | None = None,
+        key_id: str | None = None,
+        deadline: float | None = None,
+    ) -> Request:
+        """A request for ``body`` (validated against the endpoint's schema), read once."""
+        stream_options = body.get("stream_options") or {}
+        return cls(
+            request_id=request_id,
+            endpoint=endpoint,
+            model=model,
+            body=body,
+            prompt=Prompt.parse(endpoint, body),
+            stream=bool(body.get("stream")),
+            include_usage=bool(stream_options.get("include_usage")),
+            tenant_id=tenant_id,
+            key_id=key_id,
+            deadline=deadline,
+        )
+
+    # -- before admission: the body may still change --------------------------------------
+
+    def redact(self, body: dict[str, Any]) -> None:
+        """Input moderation rewrote the prompt: the engine gets ``body``, counted anew."""
+        self._check_before(RequestPhase.ADMITTED, "redact")
+        self.body = body
+        self.prompt = Prompt.parse(self.endpoint, body)
+
+    def cap_output(self, max_tokens: int) -> None:
+        """Give a request that set no output cap the one admission chose for it."""
+        self._check_before(RequestPhase.ADMITTED, "cap_output")
+        self.body["max_tokens"] = max_tokens
+
+    def bill_as(self, record_id: str) -> None:
+        """Bill every run of this request under ``record_id`` (an idempotency key's)."""
+        self._check_before(RequestPhase.ADMITTED, "bill_as")
+        self.record_id = record_id
+
+    def record_moderation(self, decisions: list[ModerationDecision]) -> None:
+        self._check_open(self.phase)
+        self.moderation.extend(decisions)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def record_estimate(self, estimate: TokenEstimate) -> None:
+        """The token estimate admission reserves against (made once, before the queue)."""
+        self._check_before(RequestPhase.ADMITTED, "record_estimate")
+        self.estimate = estimate
+
+    def admit(self, queue_wait_s: float) -> None:
+        if self.estimate is None:
+            raise PhaseError(f"request {self.request_id}: admitted without a token estimate")
+        self.advance(RequestPhase.ADMITTED)
+        self.queue_wait_s = queue_wait_s
+
+    # -- routing and the legs --------------------------------------------------------------
+
+    def route(
+        self,
+        path: ServingPath,
+        reason: str,
+        decode_worker: str,
+        prefill_worker: str | None = None,
+    ) -> None:
+        """The path chosen for the request, and the workers it goes to (once)."""
+        if self.phase is not RequestPhase.ADMITTED or self.path is not None:
             raise PhaseError(
-                f"request {self.request_id}: cannot go from {self.phase.name} to {phase.name}"
+                f"request {self.request_id}: routed in phase {self.phase.name} "
+                f"(path {self.path}); a request is routed once, right after admission"
             )
-        self.phase = phase
+        if (prefill_worker is None) == (path is ServingPath.DISAGGREGATED):
+            raise PhaseError(f"request {self.request_id}: a {path} path with prefill worker "
+                             f"{prefill_worker}")  # fmt: skip
+        self.path, self.path_reason = path, reason
+        self.decode_worker, self.prefill_worker = decode_worker, prefill_worker
+
+    def fall_back(self, reason: str, decode_worker: str | None = None) -> None:
+        """Serve it colocated after all (prefill failed, KV lost or expired, decode failed
+        before its first byte), on ``decode_worker`` when that changes."""
+        self._check_open(self.phase)
+        if self.path is None or self.first_token_at is not None:
+            raise PhaseError(
+                f"request {self.request_id}: fall back before routing or after the first "
+                "token (output already reached the client)"
+            )
+        self.path, self.path_reason = ServingPath.FALLBACK, reason
+        if decode_worker is not None:
+            self.decode_worker = decode_worker
+
+    def leg_sent(self, *, decode: bool) -> None:
+        """A leg went to a worker (``decode``: the one whose tokens reach the client)."""
+        self._check_open(self.phase)
+        if self.path is None:
+            raise PhaseError(f"request {self.request_id}: a leg sent before routing")
+        self.engine_ran = True
+        if decode:
+            self.decode_sent_at = time.monotonic()
+        else:
+            self.advance(RequestPhase.PREFILLING)
+
+    def handed_off(self, prefill_leg_s: float, kv_blocks: int, kv_bytes: int | None) -> None:
+        """Leg 1 returned a usable transfer handle; the decode worker will pull the KV."""
+        if self.phase is not RequestPhase.PREFILLING:
+            raise PhaseError(f"request {self.request_id}: KV handed off in {self.phase.name}")
+        self.prefill_leg_s = prefill_leg_s
+        self.kv_blocks, self.kv_bytes = kv_blocks, kv_bytes
+        self.advance(RequestPhase.KV_TRANSFERRING)
+
+    # -- output ----------------------------------------------------------------------------
+
+    def count_output(self, num_tokens: int) -> None:
+        """Content relayed to the client (about one token per choice and chunk)."""
+        self._check_open(self.phase)
+        self.num_streamed_tokens += num_tokens
+
+    def running_usage(self, usage: Usage) -> None:
+        """The engine's count so far (kept so a stream cut short bills what was produced)."""
+        self._check_open(self.phase)
+        self.usage = usage
 
     def mark_first_token(self) -> None:
         """Record the time the first output token left for the client (TTFT)."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+
+    # -- the end (exactly one of these) ----------------------------------------------------
 
     def finish(self, finish_reason: str | None, usage: Usage | None) -> None:
         """The request completed; ``usage`` is the engine's count (None if it sent none)."""
@@ -114,6 +257,17 @@ class Request:
     def abort(self) -> None:
         """The client went away before the request ended."""
         self._end(RequestPhase.ABORTED)
+
+    def advance(self, phase: RequestPhase) -> None:
+        """Move forward to non-terminal ``phase``; skipping phases is allowed, going back is not."""
+        if phase.is_terminal:
+            raise PhaseError(f"use finish/fail/abort to end a request, not advance({phase.name})")
+        self._check_open(phase)
+        if phase <= self.phase:
+            raise PhaseError(
+                f"request {self.request_id}: cannot go from {self.phase.name} to {phase.name}"
+            )
+        self.phase = phase
 
     def remaining_s(self) -> float | None:
         """Seconds left before the deadline (negative once passed); None without one."""
@@ -139,6 +293,13 @@ class Request:
         self._check_open(phase)
         self.phase = phase
         self.finished_at = time.monotonic()
+
+    def _check_before(self, limit: RequestPhase, action: str) -> None:
+        if self.phase >= limit:
+            raise PhaseError(
+                f"request {self.request_id}: {action} in phase {self.phase.name}, "
+                f"allowed only before {limit.name}"
+            )
 
     def _check_open(self, target: RequestPhase) -> None:
         if self.phase.is_terminal:

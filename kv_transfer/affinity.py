@@ -8,32 +8,30 @@ their first ``num_chars`` characters agree.
 
 from __future__ import annotations
 
-from typing import Any
+from core.messages import Endpoint
+from core.prompt import Prompt
 
 
-def prefix_key(body: dict[str, Any], num_chars: int) -> str:
-    """The first ``num_chars`` characters of the prompt, roles included for chat."""
-    if "messages" in body:
+def prefix_key(prompt: Prompt, num_chars: int) -> str:
+    """The first ``num_chars`` characters of the prompt: ``role:text`` lines for chat, the
+    string (or first string) for completions, token ids as ``1,2,3`` (or the first list's
+    ``[1, 2, 3]``). Only split requests need it, so it reads no more of the prompt than that."""
+    if prompt.endpoint is Endpoint.CHAT:
         parts: list[str] = []
         size = 0
-        for message in body["messages"]:
-            text = f"{message.get('role')}:{_text(message.get('content'))}\n"
-            parts.append(text)
-            size += len(text)
+        for role, text in prompt.messages():
+            # What lies past num_chars is cut off below anyway: do not copy it.
+            line = f"{role}:{text[: num_chars - size]}\n"
+            parts.append(line)
+            size += len(line)
             if size >= num_chars:
                 break
         return "".join(parts)[:num_chars]
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return ",".join(map(str, prompt))[:num_chars]
-    if isinstance(prompt, list) and prompt:
-        return str(prompt[0])[:num_chars]
-    return str(prompt or "")[:num_chars]
-
-
-def _text(content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
-    return ""
+    raw = prompt.raw
+    if isinstance(raw, list) and raw and isinstance(raw[0], int):
+        # Each id takes at least one character: no more ids than characters are needed.
+        return ",".join(map(str, raw[:num_chars]))[:num_chars]
+    if isinstance(raw, list) and raw:
+        first = raw[0]
+        return str(first[:num_chars] if isinstance(first, list) else first)[:num_chars]
+    return str(raw or "")[:num_chars]

@@ -17,6 +17,10 @@ class KvBufferDevice(enum.StrEnum):
     CUDA = "cuda"
 
 
+DEFAULT_KV_LEASE_S = 10
+"""The KV lease workers and the gateway use unless configured (vLLM's own is 30 s)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """How workers move KV: the vLLM connector and its options."""
@@ -29,7 +33,7 @@ class ConnectorConfig:
     """What a decode worker does when it cannot read the KV (the prefill worker died or its
     lease expired): ``recompute`` prefills locally, so the client still gets its answer;
     vLLM's default ``fail`` answers HTTP 500."""
-    kv_lease_s: int = 10
+    kv_lease_s: int = DEFAULT_KV_LEASE_S
     """How long a prefill worker keeps a request's KV for a decode worker that has not read it
     yet. Decode renews the lease while it reads (every lease/6), so this bounds only abandoned
     KV: a client gone between the legs frees the prefill worker's blocks after this long.

@@ -3,19 +3,16 @@
 Splitting pays a second hop and a KV transfer on time to first token; it wins back decode
 smoothness (no prefill interference) mostly for long prompts. Short prompts, ``n > 1`` (one
 sequence's KV is handed over) and a missing prefill pool run colocated on a decode worker.
+A prompt's length is admission's count of it (``admission.tokens.estimate_tokens``): the two
+cannot disagree on how long a prompt is.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from core.messages import ServingPath
-
-# A cheap, tokenizer-free estimate: English averages ~4 characters per token. The engine's
-# exact count arrives with the usage; admission will count precisely (issue 5).
-_CHARS_PER_TOKEN = 4
 
 
 class Reason(enum.StrEnum):
@@ -38,7 +35,8 @@ class DeciderConfig:
     """When to disaggregate."""
 
     min_prompt_tokens: int = 256
-    """Estimated prompt tokens below which a request runs colocated (0: always split)."""
+    """Prompt tokens (admission's estimate) below which a request runs colocated (0: always
+    split)."""
     affinity_prefix_chars: int = 256
     """Prompt characters that decide which prefill worker a request prefers (prefix cache).
     Short on purpose: requests sharing only their start (a system prompt) still meet, and
@@ -49,9 +47,6 @@ class DeciderConfig:
     kv_source_check_s: float = 0.2
     """How often a decode leg waiting for its first byte checks that the prefill worker holding
     its KV is still in rotation; when it is not, the request is re-run colocated at once."""
-    kv_lease_s: float = 10.0
-    """How long prefill workers keep KV nobody read (``ConnectorConfig.kv_lease_s``): a
-    handle older than this is not sent to a decode worker, which would recompute anyway."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,39 +56,21 @@ class Decision:
 
 
 def decide(
-    body: dict[str, Any], config: DeciderConfig, *, has_prefill_pool: bool, prefill_healthy: bool
+    prompt_tokens: int,
+    num_choices: int,
+    config: DeciderConfig,
+    *,
+    has_prefill_pool: bool,
+    prefill_healthy: bool,
 ) -> Decision:
-    """The path for ``body`` given the pools' state now."""
+    """The path for a request of ``prompt_tokens`` (admission's estimate) asking for
+    ``num_choices`` (its ``n``), given the pools' state now."""
     if not has_prefill_pool:
         return Decision(ServingPath.COLOCATED, Reason.NO_PREFILL_POOL)
-    if int(body.get("n") or 1) > 1:
+    if num_choices > 1:
         return Decision(ServingPath.COLOCATED, Reason.MULTIPLE_CHOICES)
-    if estimate_prompt_tokens(body) < config.min_prompt_tokens:
+    if prompt_tokens < config.min_prompt_tokens:
         return Decision(ServingPath.COLOCATED, Reason.SHORT_PROMPT)
     if not prefill_healthy:
         return Decision(ServingPath.FALLBACK, Reason.NO_HEALTHY_PREFILL)
     return Decision(ServingPath.DISAGGREGATED, Reason.LONG_PROMPT)
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Rough prompt length of a chat or completions body, in tokens."""
-    if "messages" in body:
-        return sum(_text_length(message.get("content")) for message in body["messages"]) // (
-            _CHARS_PER_TOKEN
-        ) + 4 * len(body["messages"])  # role markers of the chat template
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt)  # already token ids
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        return max(len(ids) for ids in prompt)
-    if isinstance(prompt, list):
-        return max(_text_length(p) for p in prompt) // _CHARS_PER_TOKEN
-    return _text_length(prompt) // _CHARS_PER_TOKEN
-
-
-def _text_length(content: object) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):  # content parts
-        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
-    return 0

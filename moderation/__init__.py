@@ -9,7 +9,7 @@ The flow, and where each step lives:
    file) for a :class:`RulesProvider`; :class:`RemoteProvider` s get a
    :class:`RemoteProviderConfig` each; :class:`Moderator` owns them all
    (``start``/``aclose``) and checks the stream window against the rules.
-2. Input (``moderator``): :func:`texts_of` reads the request's texts,
+2. Input (``moderator``): the request's texts are ``core.prompt.Prompt.texts``;
    :meth:`Moderator.check_input` runs the policy's providers concurrently and returns an
    :class:`InputVerdict` (blocked -> 400 ``content_filter``; redacted texts go back into the
    body with :func:`with_texts`).
@@ -22,7 +22,7 @@ The flow, and where each step lives:
 """
 
 from moderation.hits import Hit, TextResult
-from moderation.inputs import texts_of, with_texts
+from moderation.inputs import with_texts
 from moderation.moderator import InputVerdict, Moderator
 from moderation.openai_shape import moderation_response, parse_moderation_input
 from moderation.pii import DETECTORS, PiiMatch, find_pii
@@ -51,6 +51,5 @@ __all__ = [
     "load_rules",
     "moderation_response",
     "parse_moderation_input",
-    "texts_of",
     "with_texts",
 ]

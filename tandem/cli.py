@@ -1,6 +1,6 @@
 """The ``tandem`` console script.
 
-tandem up | model | admin | version     the gateway's commands (gateway/cli.py)
+tandem up | model | admin | version     the gateway's commands (gateway/cli/main.py)
 tandem bench run | sweep | compare | dataset    TTFT/ITL benchmarks (bench/harness/cli.py)
 
 It lives above both packages: ``bench`` drives the gateway, so the gateway may not import it.
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from bench.harness.cli import add_bench_parser, run_bench
-from gateway import cli as gateway_cli
+from gateway.cli import main as gateway_cli
 
 
 def main(argv: Sequence[str] | None = None) -> int:

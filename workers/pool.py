@@ -64,6 +64,10 @@ class PoolConfig:
     stop_timeout_s: float = 15.0
     """Grace period between SIGTERM and SIGKILL when stopping a worker. Longer than the
     worker's own ``LaunchConfig.shutdown_timeout_s``, so vLLM's orderly shutdown can finish."""
+    kv_watermark: float = 0.95
+    """KV-cache usage (0..1) at which a worker counts as full (``Worker.kv_full``): ``pick()``
+    passes it over while another has room, and ``DecodeCapacity`` admits nothing for it. Only
+    usage someone writes on the workers counts (``KvUsageWatcher`` does, for decode pools)."""
 
     def __post_init__(self) -> None:
         for spec in self.specs:
@@ -83,6 +87,8 @@ class PoolConfig:
         for name in ("health_interval_s", "health_timeout_s", "restart_backoff_initial_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PoolConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.kv_watermark <= 1:
+            raise ValueError(f"PoolConfig.kv_watermark must be in (0, 1], got {self.kv_watermark}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +162,16 @@ class WorkerPool:
         """Every worker of the pool, managed first, in configuration order."""
         return [m.worker for m in self._members]
 
+    @property
+    def kv_watermark(self) -> float:
+        """KV-cache usage at which a worker counts as full (``PoolConfig.kv_watermark``)."""
+        return self.config.kv_watermark
+
     def pick(self) -> Worker | None:
-        """The healthy worker with the fewest outstanding requests, or None if none is healthy."""
-        return least_loaded(self.workers)
+        """The healthy worker with the fewest outstanding requests among those under the KV
+        watermark; if every healthy one is over it, the least-loaded of them anyway (see
+        ``least_loaded``); None if none is healthy."""
+        return least_loaded(self.workers, self.config.kv_watermark)
 
     def process(self, name: str) -> WorkerProcess | None:
         """The process behind managed worker ``name``; None for external or unknown names."""

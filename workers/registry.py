@@ -1,4 +1,5 @@
-"""The gateway's view of a worker: where it is, whether it is healthy, how busy it is."""
+"""The gateway's view of a worker: where it is, whether it is healthy, how busy it is, how full
+its KV cache is; and how a request picks one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ class Worker:
     base_url: str  # e.g. http://127.0.0.1:8100, no trailing slash
     healthy: bool = False
     num_outstanding: int = 0  # requests the gateway has in flight on this worker
+    kv_usage: float | None = None
+    """Last reported ``vllm:kv_cache_usage_perc`` (0..1), written by ``KvUsageWatcher``; None
+    when unknown (not read yet, unreadable, unhealthy, or a worker nobody polls)."""
+
+    def kv_full(self, watermark: float) -> bool:
+        """Whether the worker's KV cache is at or over ``watermark``: it should take nothing new.
+        Unknown usage counts as room (health checks, not this, decide whether a worker is gone).
+        The one test of KV-fullness, for admission capacity and picking alike."""
+        return self.kv_usage is not None and self.kv_usage >= watermark
 
     @contextmanager
     def lease(self) -> Iterator[Worker]:
@@ -31,20 +41,40 @@ class Worker:
             self.num_outstanding -= 1
 
 
-def least_loaded(workers: Iterable[Worker]) -> Worker | None:
-    """The healthy worker with the fewest outstanding requests (first listed wins ties)."""
+def least_loaded(workers: Iterable[Worker], kv_watermark: float | None = None) -> Worker | None:
+    """The healthy worker with the fewest outstanding requests (first listed wins ties); with
+    ``kv_watermark``, the least-loaded one among those that are not ``kv_full`` at it.
+
+    If every healthy worker is KV-full, the least-loaded of them all: a request gets here only
+    after admission, which it passed while some worker had room, and failing it now would lose
+    accepted work. Admission's capacity already holds new requests back while all are full,
+    and vLLM copes with one more by preempting (slower, not failed).
+    """
     best: Worker | None = None
+    best_full: Worker | None = None
     for worker in workers:
-        if worker.healthy and (best is None or worker.num_outstanding < best.num_outstanding):
+        if not worker.healthy:
+            continue
+        if kv_watermark is not None and worker.kv_full(kv_watermark):
+            if best_full is None or worker.num_outstanding < best_full.num_outstanding:
+                best_full = worker
+        elif best is None or worker.num_outstanding < best.num_outstanding:
             best = worker
-    return best
+    return best if best is not None else best_full
 
 
 class WorkerSource(Protocol):
-    """A pool as the router sees it: its workers, and a pick among the healthy ones."""
+    """A pool as the router sees it: its workers, its KV watermark, and a pick among the
+    healthy ones."""
 
     @property
     def workers(self) -> Sequence[Worker]: ...
+
+    @property
+    def kv_watermark(self) -> float:
+        """KV-cache usage (0..1) at which a worker counts as full (``Worker.kv_full``): no new
+        requests are admitted for it, and ``pick`` passes it over while another has room."""
+        ...
 
     def pick(self) -> Worker | None: ...
 
@@ -55,7 +85,8 @@ def pick_by_affinity(workers: Iterable[Worker], key: str, max_extra_load: int) -
 
     Rendezvous hashing: each key prefers one worker, and when workers come or go only the keys
     of those workers move, so requests sharing a prompt prefix keep finding the worker whose
-    prefix cache already holds it.
+    prefix cache already holds it. KV usage plays no part: this picks prefill workers, whose
+    usage nobody polls (``Worker.kv_usage`` stays None).
     """
     healthy = [worker for worker in workers if worker.healthy]
     least = least_loaded(healthy)

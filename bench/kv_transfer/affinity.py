@@ -30,7 +30,8 @@ from typing import Any
 import aiohttp
 
 from bench.kv_transfer.common import filler_of, metric_sum, percentile
-from core.messages import WorkerRole
+from core.messages import Endpoint, WorkerRole
+from core.prompt import Prompt
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig
 from workers.registry import Worker, pick_by_affinity
@@ -79,7 +80,7 @@ HEADER = f"{'routing':<12} {'hit rate':>8} {'p50 ms':>9} {'p90 ms':>9} {'mean ms
 
 def affinity_policy(config: DeciderConfig) -> Policy:
     def pick(workers: Sequence[Worker], body: dict[str, Any]) -> Worker:
-        key = prefix_key(body, config.affinity_prefix_chars)
+        key = prefix_key(Prompt.parse(Endpoint.CHAT, body), config.affinity_prefix_chars)
         chosen = pick_by_affinity(workers, key, config.affinity_max_extra_load)
         assert chosen is not None, "every worker is healthy here"
         return chosen

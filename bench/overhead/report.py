@@ -161,7 +161,7 @@ def profile_tables(profile: Profile, title: str, n: int = 20) -> list[Table]:
 
 
 _OURS = ("gateway/", "admission/", "core/", "kv_transfer/", "moderation/", "workers/")
-_EVERY_STACK = ("gateway", "<frozen runpy>")  # the entry point (gateway/cli.py) is on all
+_EVERY_STACK = ("gateway", "<frozen runpy>")  # the entry point (gateway/cli/main.py) is on all
 
 
 def _libraries(profile: Profile) -> Counter[str]:

@@ -45,8 +45,8 @@ from bench.overhead.profile import package_of, parse_collapsed
 from bench.overhead.servers import TandemSetup, gateway_paths, start_tandem
 from bench.overhead.vllm_wire import REQUIRED_REMOTE_KEYS
 from core.errors import EngineError
-from gateway.kv_usage import parse_kv_usage
 from kv_transfer.handle import TransferHandle
+from workers.kv_usage import parse_kv_usage
 
 MODEL = "fake-model"
 CHAT = "/v1/chat/completions"
@@ -351,9 +351,9 @@ def test_profile_aggregates_collapsed_stacks_by_function_and_package() -> None:
     root = "/repo/"
     site = "/venv/lib/python3.11/site-packages/"
     lines = [
-        f"run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:80);"
+        f"run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/serving/relay.py:80);"
         f"loads ({site}orjson/__init__.py:3) 30",
-        "run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/relay.py:90) 10",
+        "run (/usr/lib/python3.11/asyncio/runners.py:1);events (/repo/gateway/serving/relay.py:90) 10",
         'process 7:"python -m gateway.cli up";run (/usr/lib/python3.11/asyncio/runners.py:1) 5',
         "not a stack line",
     ]
@@ -363,8 +363,10 @@ def test_profile_aggregates_collapsed_stacks_by_function_and_package() -> None:
     loop = next(name for name in profile.self_by_package if name.startswith("event loop"))
     assert profile.self_by_function[loop] == 5
     assert profile.self_by_function["loads (orjson/__init__.py)"] == 30
-    assert profile.self_by_function["events (gateway/relay.py)"] == 10
-    assert profile.total_by_function["events (gateway/relay.py)"] == 40  # both lines, once each
+    assert profile.self_by_function["events (gateway/serving/relay.py)"] == 10
+    assert (
+        profile.total_by_function["events (gateway/serving/relay.py)"] == 40
+    )  # both lines, once each
     assert profile.self_by_package == {"orjson": 30, "gateway": 10, loop: 5}
     assert profile.total_by_package["gateway"] == 40 and profile.total_by_package[loop] == 5
     assert "stdlib:asyncio" not in profile.total_by_package  # only the loop's root frames

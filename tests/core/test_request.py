@@ -2,12 +2,24 @@ from __future__ import annotations
 
 import pytest
 
-from core.messages import Usage
+from core.messages import Endpoint, ServingPath, Usage
+from core.models import ServedModel
+from core.prompt import TokenEstimate
 from core.request import PhaseError, Request, RequestPhase
+
+MODEL = ServedModel("m", 256, 0, kv_block_bytes=1000)
 
 
 def make() -> Request:
-    return Request(request_id="r1", model="m", stream=True)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    return Request.receive("r1", Endpoint.CHAT, MODEL, body)
+
+
+def admitted() -> Request:
+    request = make()
+    request.record_estimate(TokenEstimate(prompt_tokens=8, max_output_tokens=4, num_choices=1))
+    request.admit(queue_wait_s=0.0)
+    return request
 
 
 def test_phases_move_forward_and_may_skip() -> None:
@@ -51,3 +63,84 @@ def test_usage_reads_openai_shape_with_cached_tokens() -> None:
     )
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (10, 4, 6)
     assert Usage.from_openai({"prompt_tokens": 1, "prompt_tokens_details": None}).cached_tokens == 0
+
+
+def test_receive_reads_the_body_once() -> None:
+    body = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    request = Request.receive("r1", Endpoint.CHAT, MODEL, body)
+    assert (request.stream, request.include_usage) == (True, True)
+    assert request.prompt.texts == ("hi",)
+
+
+def test_admission_needs_an_estimate_and_happens_once() -> None:
+    request = make()
+    with pytest.raises(PhaseError, match="without a token estimate"):
+        request.admit(queue_wait_s=0.0)
+    request = admitted()
+    with pytest.raises(PhaseError, match="cannot go from ADMITTED to ADMITTED"):
+        request.admit(queue_wait_s=0.0)
+    with pytest.raises(PhaseError, match="record_estimate in phase ADMITTED"):
+        request.record_estimate(TokenEstimate(1, 1, 1))
+
+
+def test_the_body_is_fixed_once_admitted() -> None:
+    request = make()
+    request.redact({"model": "m", "messages": [{"role": "user", "content": "[redacted]"}]})
+    assert request.prompt.texts == ("[redacted]",)
+    request.cap_output(12)
+    assert request.body["max_tokens"] == 12
+    request.record_estimate(TokenEstimate(1, 12, 1))
+    request.admit(queue_wait_s=0.0)
+    with pytest.raises(PhaseError, match="redact in phase ADMITTED"):
+        request.redact({"model": "m", "messages": []})
+    with pytest.raises(PhaseError, match="cap_output in phase ADMITTED"):
+        request.cap_output(3)
+
+
+def test_a_request_is_routed_once_after_admission() -> None:
+    with pytest.raises(PhaseError, match="routed in phase RECEIVED"):
+        make().route(ServingPath.COLOCATED, "short_prompt", "decode-0")
+    request = admitted()
+    with pytest.raises(PhaseError, match="with prefill worker None"):
+        request.route(ServingPath.DISAGGREGATED, "long_prompt", "decode-0")
+    request.route(ServingPath.DISAGGREGATED, "long_prompt", "decode-0", "prefill-0")
+    with pytest.raises(PhaseError, match="routed in phase ADMITTED"):
+        request.route(ServingPath.COLOCATED, "short_prompt", "decode-0")
+
+
+def test_legs_and_hand_off_move_the_phase_and_mark_the_engine_ran() -> None:
+    request = admitted()
+    with pytest.raises(PhaseError, match="a leg sent before routing"):
+        request.leg_sent(decode=True)
+    request.route(ServingPath.DISAGGREGATED, "long_prompt", "decode-0", "prefill-0")
+    assert not request.engine_ran
+    with pytest.raises(PhaseError, match="KV handed off in ADMITTED"):
+        request.handed_off(0.1, 3, MODEL.kv_bytes(3))
+    request.leg_sent(decode=False)
+    assert request.engine_ran and request.phase is RequestPhase.PREFILLING
+    request.handed_off(0.1, 3, MODEL.kv_bytes(3))
+    assert (request.phase, request.kv_bytes) == (RequestPhase.KV_TRANSFERRING, 3000)
+    request.leg_sent(decode=True)
+    assert request.decode_sent_at is not None
+
+
+def test_fall_back_only_between_routing_and_the_first_token() -> None:
+    request = admitted()
+    with pytest.raises(PhaseError, match="fall back before routing"):
+        request.fall_back("prefill_failed")
+    request.route(ServingPath.DISAGGREGATED, "long_prompt", "decode-0", "prefill-0")
+    request.fall_back("decode_failed", "decode-1")
+    assert (request.path, request.path_reason, request.decode_worker) == (
+        ServingPath.FALLBACK, "decode_failed", "decode-1",
+    )  # fmt: skip
+    request.mark_first_token()
+    with pytest.raises(PhaseError, match="after the first token"):
+        request.fall_back("decode_failed")
+    request.abort()
+    with pytest.raises(PhaseError, match="already ended as ABORTED"):
+        request.count_output(1)

@@ -20,10 +20,10 @@ import pytest
 import uvicorn
 
 from core.messages import WorkerRole
-from gateway.app import AccessConfig, GatewayConfig, create_app
-from gateway.pipeline import ServedModel
-from gateway.stores import StoreConfig
-from gateway.upstream import UpstreamConfig
+from core.models import ServedModel
+from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.stores import StoreConfig
+from gateway.serving.upstream import UpstreamConfig
 from tests.e2e.conftest import LiveStack, _free_port_block
 from workers.pool import PoolConfig, WorkerPool
 

@@ -24,11 +24,11 @@ import uvicorn
 
 from billing.service import BillingConfig
 from core.messages import WorkerRole
-from gateway.app import AccessConfig, GatewayConfig, create_app
-from gateway.cli import main
-from gateway.pipeline import ServedModel
-from gateway.stores import StoreConfig
-from gateway.upstream import UpstreamConfig
+from core.models import ServedModel
+from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.stores import StoreConfig
+from gateway.cli.main import main
+from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
 from workers.pool import PoolConfig, WorkerPool
@@ -92,6 +92,7 @@ async def make_fake_stack(
     access: AccessConfig | None = None,
     gateway: dict[str, Any] | None = None,
     model: ServedModel | None = None,
+    pool_options: dict[str, Any] | None = None,
     **upstream: float,
 ) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
@@ -99,7 +100,8 @@ async def make_fake_stack(
     ``prefill``/``decode`` are the first engines of each role; all are in ``prefills``/``decodes``.
     Tenants live in a throwaway SQLite file unless ``access`` says otherwise; the admin key is
     ``ADMIN_KEY``. ``gateway`` replaces other ``GatewayConfig`` fields; ``model`` replaces the
-    served model (``MODEL``, 256 tokens of context).
+    served model (``MODEL``, 256 tokens of context); ``pool_options`` replaces ``PoolConfig`` fields
+    of both pools (e.g. ``kv_watermark``).
     """
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     prefills = [
@@ -115,6 +117,7 @@ async def make_fake_stack(
                 WorkerRole.PREFILL,
                 external_urls=tuple(engine.base_url for engine in prefills),
                 health_interval_s=0.05,
+                **(pool_options or {}),
             )
         ),
         WorkerPool(
@@ -122,6 +125,7 @@ async def make_fake_stack(
                 WorkerRole.DECODE,
                 external_urls=tuple(engine.base_url for engine in decodes),
                 health_interval_s=0.05,
+                **(pool_options or {}),
             )
         ),
     ]

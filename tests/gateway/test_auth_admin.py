@@ -18,8 +18,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from redis.asyncio import Redis
 
 from admission.registry_sqlite import SqliteTenantRegistry
-from gateway.app import AccessConfig
-from gateway.stores import StoreConfig
+from gateway.assembly.app import AccessConfig
+from gateway.assembly.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack
 from tests.redis_server import running_redis
 

@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from gateway.cli import _parser, _port_is_free, _settings_from_args, main
-from gateway.settings import TandemSettings
+from gateway.assembly.settings import TandemSettings
+from gateway.cli.main import _parser, _port_is_free, _settings_from_args, main
 
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:

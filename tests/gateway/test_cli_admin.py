@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.cli import main
+from gateway.cli.main import main
 from tests.gateway.conftest import MODEL, FakeStack, run_cli
 
 QUESTION = [{"role": "user", "content": "hello"}]

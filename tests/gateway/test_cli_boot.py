@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gateway.cli import BootProgress
+from gateway.cli.main import BootProgress
 from tests.workers.test_pool import pool_config
 from workers.pool import WorkerPool, WorkerStatus
 

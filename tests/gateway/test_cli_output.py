@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gateway.cli_admin import show_issued_key
+from gateway.cli.admin import show_issued_key
 from tests.gateway.conftest import ADMIN_KEY, FakeStack
 
 REPO = Path(__file__).resolve().parents[2]

@@ -34,9 +34,9 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 
 from admission.idempotency import MemoryIdempotencyStore, StoredResponse
 from core.errors import StoreUnavailableError
-from gateway.app import AccessConfig
-from gateway.idempotent import IdempotencyConfig
-from gateway.stores import StoreConfig
+from gateway.assembly.app import AccessConfig
+from gateway.assembly.stores import StoreConfig
+from gateway.serving.idempotent import IdempotencyConfig
 from tests.fakes.fake_engine import FakeEngine, count_prompt_tokens
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
 
@@ -664,7 +664,7 @@ class SlowWritingStore(MemoryIdempotencyStore):
 async def slow_store_stack(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> AsyncIterator[FakeStack]:
-    monkeypatch.setattr("gateway.stores.MemoryIdempotencyStore", SlowWritingStore)
+    monkeypatch.setattr("gateway.assembly.stores.MemoryIdempotencyStore", SlowWritingStore)
     # Heartbeats later than a store write, so a refused stream's status is still an HTTP one.
     async with _stack(
         StoreConfig(sqlite_path=tmp_path / "tandem.db"), sse_ping_interval_s=1.0
@@ -713,7 +713,7 @@ class UnwritableStore(MemoryIdempotencyStore):
 async def test_an_answer_that_cannot_be_stored_still_reaches_the_client(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr("gateway.stores.MemoryIdempotencyStore", UnwritableStore)
+    monkeypatch.setattr("gateway.assembly.stores.MemoryIdempotencyStore", UnwritableStore)
     async with _stack(StoreConfig(sqlite_path=tmp_path / "tandem.db")) as stack:
         _, answer = await _json(stack.client, _marker(), _key())
         assert answer.choices[0].finish_reason == "stop"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app import AccessConfig
-from gateway.kv_usage import parse_kv_usage
-from gateway.stores import StoreConfig
+from gateway.assembly.app import AccessConfig
+from gateway.assembly.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack
+from workers.kv_usage import parse_kv_usage
 
 QUESTION = [{"role": "user", "content": "hello"}]
 
@@ -33,10 +33,9 @@ async def stack(tmp_path: Path) -> AsyncIterator[FakeStack]:
     access = AccessConfig(
         admin_key=ADMIN_KEY,
         stores=StoreConfig(sqlite_path=tmp_path / "tandem.db"),
-        kv_usage_watermark=0.9,
         kv_usage_poll_s=0.05,
     )
-    async with make_fake_stack(access=access) as fake_stack:
+    async with make_fake_stack(access=access, pool_options={"kv_watermark": 0.9}) as fake_stack:
         yield fake_stack
 
 

@@ -20,9 +20,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from admission.controller import ControllerConfig, StoreFailurePolicy
-from gateway.app import AccessConfig
-from gateway.pipeline import ServedModel
-from gateway.stores import StoreConfig
+from core.models import ServedModel
+from gateway.assembly.app import AccessConfig
+from gateway.assembly.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
 from tests.redis_server import RedisServer, running_redis
 

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from core.messages import Endpoint
-from gateway.relay import split_finish_chunk
-from gateway.replay import StreamAssembler, rechunk
+from gateway.serving.relay import split_finish_chunk
+from gateway.serving.replay import StreamAssembler, rechunk
 from tests.fakes.fake_engine import FakeEngine
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
@@ -296,7 +296,7 @@ def test_misuse_is_refused() -> None:
 
 
 def relay(chunks: list[dict[str, Any]], endpoint: Endpoint, include_usage: bool) -> list[dict]:
-    """What ``gateway.relay.RelayStream`` sends the client for these engine chunks."""
+    """What ``gateway.serving.relay.RelayStream`` sends the client for these engine chunks."""
     content_key = "delta" if endpoint is CHAT else "text"
     out: list[dict[str, Any]] = []
     for chunk in chunks:

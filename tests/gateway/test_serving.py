@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.pipeline import ServedModel
+from core.models import ServedModel
+from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
 from kv_transfer.geometry import KvGeometry
 from tests.gateway.conftest import MODEL, FakeStack, make_fake_stack, wait_until
@@ -161,8 +162,9 @@ async def test_prefill_failure_falls_back_to_colocated(fake_stack: FakeStack) ->
 
 
 async def test_a_handle_past_its_lease_is_not_forwarded() -> None:
-    decider = DeciderConfig(min_prompt_tokens=0, kv_lease_s=0)
-    async with make_fake_stack(gateway={"decider": decider}) as stack:
+    decider = DeciderConfig(min_prompt_tokens=0)
+    connector = ConnectorConfig(kv_lease_s=0)
+    async with make_fake_stack(gateway={"decider": decider, "connector": connector}) as stack:
         completion = await stack.client.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=3
         )
@@ -209,7 +211,9 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
 async def test_metrics_say_which_workers_served_and_what_the_hand_off_cost() -> None:
     # 2 layers x 1 KV head x 4 dims x 4 bytes, K and V: 64 bytes a token, 1 KiB a 16-token block.
     geometry = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=4, block_size=16)
-    async with make_fake_stack(model=ServedModel(MODEL, 256, 0, kv_geometry=geometry)) as stack:
+    async with make_fake_stack(
+        model=ServedModel(MODEL, 256, 0, kv_block_bytes=geometry.bytes_per_block)
+    ) as stack:
         await stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
         [leg1] = stack.prefill.stats.requests
         [leg2] = stack.decode.stats.requests

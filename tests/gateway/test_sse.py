@@ -1,4 +1,4 @@
-"""The stream's commit point (``gateway/sse.py``): when a response starts and with what headers.
+"""The stream's commit point (``gateway/serving/sse.py``): when a response starts and with what headers.
 
 A scripted source stands in for a request: its quota answer and its first token arrive when the
 test says, so "slower than one heartbeat interval" is a fact of the test, not of the machine.
@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from core.errors import RateLimitError, TandemError
 from gateway.errors import install_error_handlers
-from gateway.sse import serve_stream
+from gateway.serving.sse import serve_stream
 from tests.gateway.conftest import _free_port, wait_until
 
 PING_INTERVAL_S = 0.05

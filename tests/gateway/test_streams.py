@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import AccessConfig
-from gateway.stores import StoreConfig
+from gateway.assembly.app import AccessConfig
+from gateway.assembly.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
 
 QUESTION = [{"role": "user", "content": "what is the answer"}]

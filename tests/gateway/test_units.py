@@ -8,9 +8,9 @@ from pydantic import ValidationError
 from core.errors import ContextLengthExceededError, EngineError, InvalidRequestError
 from core.messages import WorkerRole
 from gateway.errors import invalid_request_from_validation
-from gateway.relay import split_finish_chunk
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.upstream import engine_status_error
+from gateway.serving.relay import split_finish_chunk
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving.upstream import engine_status_error
 from workers.registry import Worker, least_loaded
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,47 +1,87 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from core.messages import ServingPath
-from kv_transfer.decider import DeciderConfig, Reason, decide, estimate_prompt_tokens
+from admission.tokens import TokenizerCounter, estimate_tokens
+from core.messages import Endpoint, ServingPath
+from core.prompt import Prompt
+from kv_transfer.decider import DeciderConfig, Reason, decide
 
-LONG = "word " * 400  # ~500 estimated tokens
+LONG = 500  # prompt tokens, as admission counted them
+SHORT = 10
 CONFIG = DeciderConfig(min_prompt_tokens=256)
 
 
-def chat(text: str, **extra: object) -> dict[str, object]:
-    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
-
-
 @pytest.mark.parametrize(
-    ("body", "has_pool", "healthy", "path", "reason"),
+    ("prompt_tokens", "n", "has_pool", "healthy", "path", "reason"),
     [
-        (chat(LONG), True, True, ServingPath.DISAGGREGATED, Reason.LONG_PROMPT),
-        (chat("Hi"), True, True, ServingPath.COLOCATED, Reason.SHORT_PROMPT),
-        (chat(LONG, n=2), True, True, ServingPath.COLOCATED, Reason.MULTIPLE_CHOICES),
-        (chat(LONG), False, False, ServingPath.COLOCATED, Reason.NO_PREFILL_POOL),
-        (chat(LONG), True, False, ServingPath.FALLBACK, Reason.NO_HEALTHY_PREFILL),
+        (LONG, 1, True, True, ServingPath.DISAGGREGATED, Reason.LONG_PROMPT),
+        (SHORT, 1, True, True, ServingPath.COLOCATED, Reason.SHORT_PROMPT),
+        (LONG, 2, True, True, ServingPath.COLOCATED, Reason.MULTIPLE_CHOICES),
+        (LONG, 1, False, False, ServingPath.COLOCATED, Reason.NO_PREFILL_POOL),
+        (LONG, 1, True, False, ServingPath.FALLBACK, Reason.NO_HEALTHY_PREFILL),
     ],
 )
 def test_decisions(
-    body: dict, has_pool: bool, healthy: bool, path: ServingPath, reason: Reason
+    prompt_tokens: int, n: int, has_pool: bool, healthy: bool, path: ServingPath, reason: Reason
 ) -> None:
-    decision = decide(body, CONFIG, has_prefill_pool=has_pool, prefill_healthy=healthy)
+    decision = decide(prompt_tokens, n, CONFIG, has_prefill_pool=has_pool, prefill_healthy=healthy)
     assert (decision.path, decision.reason) == (path, reason)
 
 
 def test_threshold_zero_always_splits() -> None:
     decision = decide(
-        chat("Hi"), DeciderConfig(min_prompt_tokens=0), has_prefill_pool=True, prefill_healthy=True
+        SHORT, 1, DeciderConfig(min_prompt_tokens=0), has_prefill_pool=True, prefill_healthy=True
     )
     assert decision.path is ServingPath.DISAGGREGATED
 
 
-def test_estimates() -> None:
-    assert estimate_prompt_tokens(chat("x" * 400)) == 104  # 100 + the role markers
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 40}]}]}
-    assert estimate_prompt_tokens(parts) == 14
-    assert estimate_prompt_tokens({"prompt": "z" * 80}) == 20
-    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
-    assert estimate_prompt_tokens({"prompt": [[1, 2], [1, 2, 3, 4]]}) == 4
-    assert estimate_prompt_tokens({"prompt": ["a" * 8, "b" * 40]}) == 10
+@pytest.fixture(scope="module")
+def word_counter(tmp_path_factory: pytest.TempPathFactory) -> TokenizerCounter:
+    """A real tokenizer file whose tokens are words: counts are known exactly."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "word": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path: Path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return TokenizerCounter(path)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "tokens"),
+    [
+        # Each entry is under the threshold (256), their sum is over it: a decider that took
+        # the largest entry would keep these colocated while admission reserved the sum.
+        (Endpoint.COMPLETIONS, {"prompt": ["word " * 150, "word " * 150]}, 300),
+        (Endpoint.COMPLETIONS, {"prompt": [[7] * 150, [8] * 150]}, 300),
+        # 600 characters of one-letter words: 300 tokens, where 4 chars/token makes 150.
+        (Endpoint.COMPLETIONS, {"prompt": "a " * 300}, 300),
+        (
+            Endpoint.CHAT,
+            {"messages": [{"role": "user", "content": "word " * 150}] * 2},
+            300 + 2 * 4 + 3,  # the chat template's tokens per message and reply priming
+        ),
+    ],
+)
+async def test_admission_count_decides_the_split(
+    word_counter: TokenizerCounter, endpoint: Endpoint, body: dict[str, Any], tokens: int
+) -> None:
+    body = {"model": "m", **body}
+    estimate = await estimate_tokens(
+        endpoint, body, Prompt.parse(endpoint, body), word_counter, None
+    )
+    assert estimate.prompt_tokens == tokens
+
+    def path(min_prompt_tokens: int) -> ServingPath:
+        config = DeciderConfig(min_prompt_tokens=min_prompt_tokens)
+        return decide(
+            estimate.prompt_tokens, estimate.num_choices, config,
+            has_prefill_pool=True, prefill_healthy=True,
+        ).path  # fmt: skip
+
+    assert path(256) is ServingPath.DISAGGREGATED
+    assert path(tokens) is ServingPath.DISAGGREGATED
+    assert path(tokens + 1) is ServingPath.COLOCATED

@@ -28,7 +28,6 @@ def test_public_exports() -> None:
         "load_rules",
         "moderation_response",
         "parse_moderation_input",
-        "texts_of",
         "with_texts",
     ]
     for name in moderation.__all__:

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from core.messages import Endpoint
-from moderation.inputs import texts_of, with_texts
+from core.prompt import Prompt
+from moderation.inputs import with_texts
 
 CHAT: dict[str, Any] = {
     "model": "m",
@@ -25,6 +26,11 @@ CHAT: dict[str, Any] = {
         {"role": "assistant", "content": None, "tool_calls": []},
     ],
 }
+
+
+def texts_of(endpoint: Endpoint, body: dict[str, Any]) -> list[str]:
+    """What moderation reads: the prompt's texts."""
+    return list(Prompt.parse(endpoint, body).texts)
 
 
 def test_chat_texts_in_order() -> None:
@@ -51,6 +57,25 @@ def test_completions_prompts(prompt: Any, texts: list[str]) -> None:
     replaced = with_texts(Endpoint.COMPLETIONS, body, [t.upper() for t in texts])
     assert texts_of(Endpoint.COMPLETIONS, replaced) == [t.upper() for t in texts]
     assert body["prompt"] == prompt
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (Endpoint.CHAT, CHAT),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["one", "two", "three"]}),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "only"}),
+    ],
+)
+def test_with_texts_replaces_exactly_the_prompt_texts_in_order(
+    endpoint: Endpoint, body: dict[str, Any]
+) -> None:
+    texts = Prompt.parse(endpoint, body).texts
+    marked = [f"<{i}:{text}>" for i, text in enumerate(texts)]
+    out = with_texts(endpoint, body, marked)
+    assert Prompt.parse(endpoint, out).texts == tuple(marked)
+    # Only the texts changed: put them back and the original body is what remains.
+    assert with_texts(endpoint, out, list(texts)) == body
 
 
 def test_wrong_number_of_texts_is_refused() -> None:

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import pytest
+
 from core.messages import WorkerRole
+from decode_pool import DecodePool
 from kv_transfer.affinity import prefix_key
-from workers.registry import Worker, pick_by_affinity
+from workers.pool import PoolConfig
+from workers.registry import Worker, least_loaded, pick_by_affinity
 
 
 def workers(*loads: int) -> list[Worker]:
@@ -52,3 +56,73 @@ def test_prefix_key() -> None:
     assert prefix_key({"prompt": "hello world"}, 5) == "hello"
     assert prefix_key({"prompt": [1, 2, 3]}, 3) == "1,2"
     assert prefix_key({"prompt": ["first", "second"]}, 10) == "first"
+
+
+# --- KV-cache usage: picking passes over KV-full workers ---------------------------------------
+def decode_workers(*usage_and_load: tuple[float | None, int]) -> list[Worker]:
+    return [
+        Worker(
+            f"d{i}",
+            WorkerRole.DECODE,
+            f"http://d{i}",
+            healthy=True,
+            num_outstanding=load,
+            kv_usage=usage,
+        )
+        for i, (usage, load) in enumerate(usage_and_load)
+    ]
+
+
+def test_kv_full_is_at_or_over_the_watermark_and_unknown_has_room() -> None:
+    over, at, under, unknown = decode_workers((0.97, 0), (0.9, 0), (0.89, 0), (None, 0))
+    assert over.kv_full(0.9) and at.kv_full(0.9)
+    assert not under.kv_full(0.9) and not unknown.kv_full(0.9)
+
+
+def test_least_loaded_skips_a_kv_full_worker_for_a_busier_one_under_the_watermark() -> None:
+    full, busy = decode_workers((0.97, 0), (0.5, 5))
+    assert least_loaded([full, busy], kv_watermark=0.9) is busy
+    assert least_loaded([full, busy]) is full  # without a watermark: load only
+
+
+def test_least_loaded_returns_the_least_loaded_when_every_healthy_worker_is_kv_full() -> None:
+    a, b, c = decode_workers((0.99, 3), (0.95, 1), (0.1, 0))
+    c.healthy = False  # an unhealthy one with room is still never picked
+    assert least_loaded([a, b, c], kv_watermark=0.9) is b
+    assert least_loaded([c], kv_watermark=0.9) is None
+
+
+def test_unknown_kv_usage_counts_as_under_the_watermark() -> None:
+    full, unknown = decode_workers((0.97, 0), (None, 4))
+    assert least_loaded([full, unknown], kv_watermark=0.9) is unknown
+
+
+def test_pool_pick_honours_its_kv_watermark() -> None:
+    urls = ("http://d0", "http://d1")
+    pool = DecodePool(PoolConfig(WorkerRole.DECODE, external_urls=urls, kv_watermark=0.8))
+    idle, busy = pool.workers
+    for worker in pool.workers:
+        worker.healthy = True
+    busy.num_outstanding = 3
+    assert pool.kv_watermark == 0.8
+    assert pool.pick() is idle
+    idle.kv_usage = 0.85  # over this pool's watermark, under the default one
+    assert pool.pick() is busy
+    busy.kv_usage = 0.9  # both full: the admitted request still gets the least-loaded one
+    assert pool.pick() is idle
+    idle.kv_usage = None  # unknown again: room
+    assert pool.pick() is idle
+
+
+def test_pool_config_rejects_a_watermark_outside_0_to_1() -> None:
+    for watermark in (0.0, 1.5):
+        with pytest.raises(ValueError, match="kv_watermark"):
+            PoolConfig(WorkerRole.DECODE, kv_watermark=watermark)
+
+
+def test_pick_by_affinity_is_unchanged_by_kv_usage() -> None:
+    pool = workers(0, 0)
+    preferred = pick_by_affinity(pool, "k", 2)
+    assert preferred is not None
+    preferred.kv_usage = 1.0  # prefill usage is not polled; were it set, affinity ignores it
+    assert pick_by_affinity(pool, "k", 2) is preferred

@@ -12,16 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from admission.tenants import Tenant
 from core.errors import ContentFilterError
-from core.messages import Endpoint
 from core.moderation import ModerationDecision, ModerationPolicy
 from core.request import Request
 from gateway.metrics import GatewayMetrics
-from gateway.output_filter import OutputFilter
-from moderation.inputs import texts_of, with_texts
+from gateway.serving.output_filter import OutputFilter
+from moderation.inputs import with_texts
 from moderation.moderator import Moderator
 from moderation.provider import ModerationProvider
 from moderation.remote import RemoteProvider, RemoteProviderConfig
@@ -76,43 +74,36 @@ class ContentPolicy:
     def policy_for(self, tenant: Tenant) -> ModerationPolicy:
         return tenant.plan.moderation or self._default
 
-    async def check_input(
-        self, endpoint: Endpoint, body: dict[str, Any], request: Request, policy: ModerationPolicy
-    ) -> dict[str, Any]:
-        """The body the engine may see (redacted where the policy says so); 400
-        ``content_filter`` when the policy blocks it."""
-        if not policy.input.enabled:
-            return body
-        texts = texts_of(endpoint, body)
-        if not texts:
-            return body
-        verdict = await self.moderator.check_input(policy.input, texts)
+    async def check_input(self, request: Request, policy: ModerationPolicy) -> None:
+        """Check the prompt; the engine gets it redacted where the policy says so (the request's
+        body is replaced); 400 ``content_filter`` when the policy blocks it."""
+        texts = request.prompt.texts
+        if not policy.input.enabled or not texts:
+            return
+        verdict = await self.moderator.check_input(policy.input, list(texts))
         self._record(request, list(verdict.decisions))
         if verdict.blocked:
             categories = ", ".join(sorted(c.value for c in verdict.blocked_categories))
             raise ContentFilterError(
                 f"The request was blocked by this tenant's content policy ({categories}); "
                 "change the prompt and retry.",
-                param="messages" if endpoint is Endpoint.CHAT else "prompt",
+                param=request.prompt.param,
             )
-        if tuple(verdict.texts) != tuple(texts):
-            return with_texts(endpoint, body, list(verdict.texts))
-        return body
+        if tuple(verdict.texts) != texts:
+            request.redact(with_texts(request.endpoint, request.body, list(verdict.texts)))
 
-    def output_filter(
-        self, endpoint: Endpoint, request: Request, policy: ModerationPolicy
-    ) -> OutputFilter | None:
+    def output_filter(self, request: Request, policy: ModerationPolicy) -> OutputFilter | None:
         """The relay's output moderation, or ``None`` when the policy checks no output."""
         if not policy.output.enabled:
             return None
         return OutputFilter(
-            endpoint,
+            request.endpoint,
             lambda: self.moderator.output_stream(policy.output),
             lambda decisions: self._record(request, decisions),
         )
 
     def _record(self, request: Request, decisions: list[ModerationDecision]) -> None:
-        request.moderation.extend(decisions)
+        request.record_moderation(decisions)
         for decision in decisions:
             self._metrics.observe_moderation(decision)
             log.info(

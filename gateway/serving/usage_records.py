@@ -1,6 +1,6 @@
 """One billed request's ``UsageRecord``, built from the gateway's ``Request`` when it ends.
 
-Every admitted request is recorded exactly once (``Execution`` calls ``record()`` after the
+Every admitted request is recorded exactly once (the flow calls ``record()`` after the
 quota is settled): completed, failed and aborted alike, with the engine's usage or, for a
 stream cut without it, what was streamed. For a tenant that keeps a request log, the prompt and
 the output are captured too and scrubbed of PII before they leave the gateway.
@@ -16,10 +16,9 @@ import orjson
 
 from billing.records import RequestStatus, UsageRecord
 from billing.service import Billing
-from core.messages import Endpoint
 from core.moderation import Action
 from core.request import Request, RequestPhase
-from gateway.pipeline import ServedModel
+from gateway.serving.relay import content_key
 from moderation.redact import scrub_pii
 
 log = logging.getLogger("tandem.billing")
@@ -34,25 +33,15 @@ _STATUS = {
 class UsageRecorder:
     """Records one request with billing; created per request by the OpenAI routes."""
 
-    def __init__(
-        self,
-        billing: Billing,
-        request: Request,
-        endpoint: Endpoint,
-        model: ServedModel,
-        body: dict[str, Any],
-    ) -> None:
+    def __init__(self, billing: Billing, request: Request) -> None:
         self._billing = billing
         self._request = request
-        self._endpoint = endpoint
-        self._model = model
-        self._body = body
         self._recorded = False
         keeps_log = request.tenant_id is not None and (
             billing.request_log_retention_s(request.tenant_id) is not None
         )
         self._output: list[str] | None = [] if keeps_log else None
-        self._content_key = "delta" if endpoint is Endpoint.CHAT else "text"
+        self._content_key = content_key(request.endpoint)
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         """A chunk the client received (kept only for a tenant with a request log)."""
@@ -71,7 +60,7 @@ class UsageRecorder:
             return
         for choice in result.get("choices") or ():
             message = choice.get("message") or {}
-            text = message.get("content") if self._endpoint is Endpoint.CHAT else choice.get("text")
+            text = message.get("content") if self._content_key == "delta" else choice.get("text")
             if isinstance(text, str):
                 self._output.append(text)
 
@@ -80,12 +69,11 @@ class UsageRecorder:
         if self._recorded:
             return
         self._recorded = True
-        record = usage_record(self._request, self._endpoint, self._model)
+        record = usage_record(self._request)
         prompt_output = None
         if self._output is not None:
-            prompt = self._body.get("messages" if self._endpoint is Endpoint.CHAT else "prompt")
             prompt_output = (
-                scrub_pii(orjson.dumps(prompt).decode()),
+                scrub_pii(orjson.dumps(self._request.prompt.raw).decode()),
                 scrub_pii("".join(self._output)),
             )
         try:
@@ -96,8 +84,9 @@ class UsageRecorder:
             log.exception("request %s could not be billed: %r", record.request_id, record)
 
 
-def usage_record(request: Request, endpoint: Endpoint, model: ServedModel) -> UsageRecord:
+def usage_record(request: Request) -> UsageRecord:
     """The unpriced record of a request (billing prices it)."""
+    model = request.model
     if request.tenant_id is None:
         raise ValueError(f"request {request.request_id} has no tenant: it cannot be billed")
     now_wall_us = time.time_ns() // 1000
@@ -124,7 +113,7 @@ def usage_record(request: Request, endpoint: Endpoint, model: ServedModel) -> Us
         model=model.name,
         model_version=model.version or model.name,
         deployment=model.deployment,
-        endpoint=endpoint.value,
+        endpoint=request.endpoint.value,
         path=None if request.path is None else request.path.value,
         status=status,
         finish_reason=request.finish_reason,

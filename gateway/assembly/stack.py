@@ -20,18 +20,18 @@ from fastapi import FastAPI
 from admission.controller import ControllerConfig, StoreFailurePolicy
 from billing.service import BillingConfig
 from core.messages import WorkerRole
+from core.models import ServedModel
 from core.moderation import ModerationPolicy
 from decode_pool import DecodePool, decode_worker_specs
-from gateway.admin_key import load_or_create_admin_key
-from gateway.app import AccessConfig, GatewayConfig, create_app
-from gateway.content_policy import ModerationSetup
-from gateway.deadlines import DeadlineConfig
-from gateway.gate import GateConfig
-from gateway.idempotent import IdempotencyConfig
-from gateway.pipeline import ServedModel
-from gateway.settings import TandemSettings
-from gateway.stores import StoreConfig
-from gateway.upstream import UpstreamConfig
+from gateway.assembly.admin_key import load_or_create_admin_key
+from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.settings import TandemSettings
+from gateway.assembly.stores import StoreConfig
+from gateway.serving.content_policy import ModerationSetup
+from gateway.serving.deadlines import DeadlineConfig
+from gateway.serving.gate import GateConfig
+from gateway.serving.idempotent import IdempotencyConfig
+from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
 from kv_transfer.geometry import KvGeometry
@@ -80,6 +80,9 @@ def _pool_config(
         log_dir=settings.log_dir,
         health_interval_s=settings.health_interval_s,
         ready_timeout_s=settings.worker_ready_timeout_s,
+        # Both pools get it; only decode workers' usage is read (KvUsageWatcher), so only
+        # they are ever KV-full: admission capacity and decode picking share this one value.
+        kv_watermark=settings.kv_usage_watermark,
     )
 
 
@@ -116,10 +119,7 @@ class Stack:
             block_size=settings.kv_block_size,
             enforce_eager=settings.enforce_eager,
             dtype=settings.dtype,
-            connector=ConnectorConfig(
-                kv_lease_s=settings.kv_lease_s,
-                progress_delay_us=settings.nixl_progress_delay_us,
-            ),
+            connector=connector_config(settings),
         )
         num_prefill = settings.num_prefill_workers
         binds: tuple[str | None, ...] = tuple(settings.cpu_binding)
@@ -167,7 +167,7 @@ class Stack:
             version,
             settings.deployment,
             default_max_tokens=settings.default_max_tokens or None,
-            kv_geometry=geometry,
+            kv_block_bytes=None if geometry is None else geometry.bytes_per_block,
         )
         return cls(settings, prefill, decode, model, prepared.path if prepared else None)
 
@@ -204,10 +204,8 @@ class Stack:
             deadlines=DeadlineConfig(
                 default_s=settings.request_timeout_s, max_s=settings.max_request_timeout_s
             ),
-            decider=DeciderConfig(
-                min_prompt_tokens=settings.disaggregate_min_prompt_tokens,
-                kv_lease_s=settings.kv_lease_s,
-            ),
+            decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
+            connector=connector_config(settings),
             access=access_config(settings, self.model_dir),
             moderation=moderation_setup(settings),
             idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),
@@ -243,6 +241,13 @@ def moderation_setup(settings: TandemSettings) -> ModerationSetup:
     )
 
 
+def connector_config(settings: TandemSettings) -> ConnectorConfig:
+    """The KV connector of every worker, which the gateway honours too (its KV lease)."""
+    return ConnectorConfig(
+        kv_lease_s=settings.kv_lease_s, progress_delay_us=settings.nixl_progress_delay_us
+    )
+
+
 def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessConfig:
     """Tenants, quotas and admission as the settings ask."""
     if settings.admin_key is not None:
@@ -261,7 +266,6 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         controller=ControllerConfig(store_failure=StoreFailurePolicy(settings.quota_store_failure)),
         max_queue=settings.max_queue,
         max_in_flight_per_worker=settings.max_in_flight_per_worker,
-        kv_usage_watermark=settings.kv_usage_watermark,
         gate=GateConfig(queue_timeout_s=settings.queue_timeout_s),
         tokenizer_dir=model_dir,
     )

@@ -7,30 +7,32 @@ A tenant can be named by its id or its name in every path.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header
-from fastapi import Request as HttpRequest
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from admission.controller import AdmissionController
 from admission.plan_codec import key_to_dict, plan_from_dict, plan_to_dict, tenant_to_dict
 from admission.plans import Plan, PriorityBand
-from admission.quota import StoreUnavailable
 from admission.registry import (
     TenantExistsError,
-    TenantRegistry,
     UnknownKeyError,
     UnknownTenantError,
 )
-from admission.tenants import ApiKey, Tenant
-from core.errors import ConflictError, InvalidRequestError, NotFoundError, StoreUnavailableError
+from admission.tenants import ApiKey
+from core.errors import ConflictError, InvalidRequestError, NotFoundError
 from core.moderation import Action
-from gateway.auth import AdminAuth
+from gateway.admin.deps import (
+    ControllerDep,
+    ModeratorDep,
+    RegistryDep,
+    require_admin,
+    resolve_tenant,
+    store_call,
+    tenant_not_found,
+)
 from moderation.moderator import Moderator
 
-T = TypeVar("T")
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 Limit = Annotated[int, Field(ge=1)] | None
 
@@ -111,33 +113,6 @@ class KeyCreate(BaseModel):
     """A label to tell keys apart."""
 
 
-async def require_admin(
-    http_request: HttpRequest, authorization: Annotated[str | None, Header()] = None
-) -> None:
-    admin: AdminAuth = http_request.app.state.admin_auth
-    await admin.check(authorization)
-
-
-async def get_registry(http_request: HttpRequest) -> TenantRegistry:
-    registry: TenantRegistry = http_request.app.state.registry
-    return registry
-
-
-async def get_moderator(http_request: HttpRequest) -> Moderator:
-    """The gateway's moderation providers, which a tenant's policy may name."""
-    moderator: Moderator = http_request.app.state.moderator
-    return moderator
-
-
-ModeratorDep = Annotated[Moderator, Depends(get_moderator)]
-
-
-async def get_controller(http_request: HttpRequest) -> AdmissionController:
-    controller: AdmissionController = http_request.app.state.admission
-    return controller
-
-
-RegistryDep = Annotated[TenantRegistry, Depends(get_registry)]
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
@@ -148,7 +123,7 @@ async def create_tenant(
     """Create a tenant with a plan."""
     plan = body.apply_to(Plan(), moderator)
     try:
-        tenant = await _store(registry.create_tenant(body.name, plan))
+        tenant = await store_call(registry.create_tenant(body.name, plan))
     except TenantExistsError as exc:
         raise ConflictError(
             f"A tenant named '{body.name}' already exists.", code="tenant_exists", param="name"
@@ -159,7 +134,7 @@ async def create_tenant(
 @router.get("/tenants")
 async def list_tenants(registry: RegistryDep) -> dict[str, Any]:
     """Every tenant, by name."""
-    tenants = await _store(registry.list_tenants())
+    tenants = await store_call(registry.list_tenants())
     return {"object": "list", "data": [tenant_to_dict(tenant) for tenant in tenants]}
 
 
@@ -177,9 +152,9 @@ async def update_tenant(
     current = await resolve_tenant(registry, tenant)
     plan = body.apply_to(current.plan, moderator)
     try:
-        updated = await _store(registry.update_tenant(current.tenant_id, plan))
+        updated = await store_call(registry.update_tenant(current.tenant_id, plan))
     except UnknownTenantError as exc:
-        raise _not_found(tenant) from exc
+        raise tenant_not_found(tenant) from exc
     return tenant_to_dict(updated)
 
 
@@ -187,15 +162,15 @@ async def update_tenant(
 async def delete_tenant(
     tenant: str,
     registry: RegistryDep,
-    controller: Annotated[AdmissionController, Depends(get_controller)],
+    controller: ControllerDep,
 ) -> dict[str, Any]:
     """Delete a tenant, its keys and its quota counters."""
     current = await resolve_tenant(registry, tenant)
     try:
-        await _store(registry.delete_tenant(current.tenant_id))
+        await store_call(registry.delete_tenant(current.tenant_id))
     except UnknownTenantError as exc:
-        raise _not_found(tenant) from exc
-    await _store(controller.forget(current.tenant_id))
+        raise tenant_not_found(tenant) from exc
+    await store_call(controller.forget(current.tenant_id))
     return {"id": current.tenant_id, "object": "tenant", "deleted": True}
 
 
@@ -206,9 +181,9 @@ async def issue_key(
     """Issue a key. Its plaintext is in this response only: it is stored hashed."""
     current = await resolve_tenant(registry, tenant)
     try:
-        issued = await _store(registry.issue_key(current.tenant_id, (body or KeyCreate()).name))
+        issued = await store_call(registry.issue_key(current.tenant_id, (body or KeyCreate()).name))
     except UnknownTenantError as exc:
-        raise _not_found(tenant) from exc
+        raise tenant_not_found(tenant) from exc
     return {**_public_key(issued.key), "key": issued.plaintext}
 
 
@@ -216,7 +191,7 @@ async def issue_key(
 async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
     """A tenant's keys (never their secrets), revoked ones included."""
     current = await resolve_tenant(registry, tenant)
-    keys = await _store(registry.list_keys(current.tenant_id))
+    keys = await store_call(registry.list_keys(current.tenant_id))
     return {"object": "list", "data": [_public_key(key) for key in keys]}
 
 
@@ -224,7 +199,7 @@ async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
 async def revoke_key(key_id: str, registry: RegistryDep) -> dict[str, Any]:
     """Revoke a key; requests with it get 401 on every replica within a second."""
     try:
-        key = await _store(registry.revoke_key(key_id))
+        key = await store_call(registry.revoke_key(key_id))
     except UnknownKeyError as exc:
         raise NotFoundError(f"No API key with id '{key_id}'.", param="key_id") from exc
     return _public_key(key)
@@ -234,12 +209,12 @@ async def revoke_key(key_id: str, registry: RegistryDep) -> dict[str, Any]:
 async def tenant_usage(
     tenant: str,
     registry: RegistryDep,
-    controller: Annotated[AdmissionController, Depends(get_controller)],
+    controller: ControllerDep,
 ) -> dict[str, Any]:
     """Live quota state: limits, what remains now, when buckets are full again, requests in
     flight (all replicas) and queued (this replica)."""
     current = await resolve_tenant(registry, tenant)
-    snapshot = await _store(controller.snapshot(current))
+    snapshot = await store_call(controller.snapshot(current))
     return {
         "tenant_id": current.tenant_id,
         "name": current.name,
@@ -259,32 +234,8 @@ async def tenant_usage(
     }
 
 
-async def resolve_tenant(registry: TenantRegistry, ref: str) -> Tenant:
-    """The tenant with id or name ``ref``; 404 if none."""
-    tenant = await _store(registry.get_tenant(ref))
-    if tenant is None:
-        tenant = await _store(registry.find_tenant(ref))
-    if tenant is None:
-        raise _not_found(ref)
-    return tenant
-
-
-async def _store(operation: Awaitable[T]) -> T:
-    """Await a registry or quota call; an unreachable store is a 503, not a 500."""
-    try:
-        return await operation
-    except StoreUnavailable as exc:
-        raise StoreUnavailableError(
-            "The tenant store is unavailable; retry shortly.", retry_after_s=2.0
-        ) from exc
-
-
 def _public_key(key: ApiKey) -> dict[str, Any]:
     """A key as the admin API shows it: not even its hash leaves the gateway."""
     shown = key_to_dict(key)
     del shown["key_hash"]
     return shown
-
-
-def _not_found(ref: str) -> NotFoundError:
-    return NotFoundError(f"No tenant with id or name '{ref}'.", param="tenant")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from gateway.cli_admin import (
+from gateway.cli.admin import (
     AdminCliError,
     add_connection_flags,
     add_log_level_flag,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +41,9 @@ from core.errors import (
 )
 from core.messages import Endpoint
 from core.request import Request
-from gateway.execution import Execution
-from gateway.replay import StreamAssembler, rechunk
-from gateway.sse import OpenAIEventStream
+from gateway.serving.events import ResponseHead, Run, StreamEnd, answer_of
+from gateway.serving.replay import StreamAssembler, rechunk
+from gateway.serving.sse import OpenAIEventStream
 
 log = logging.getLogger("tandem.requests")
 
@@ -110,44 +110,44 @@ class IdempotentRuns:
             param="Idempotency-Key",
         )
 
-    async def complete(self, key: IdempotentKey, execution: Execution) -> dict[str, Any]:
+    async def complete(self, key: IdempotentKey, request: Request, run: Run) -> dict[str, Any]:
         """Run a non-streaming request to the end (its client leaving does not stop it) and
         store the answer."""
         try:
-            result = await execution.complete()
+            answer = await answer_of(run)
         except TandemError as exc:
-            await self._settle_key(key, execution.request, exc.status_code, exc.to_body())
+            await self._settle_key(key, request, exc.status_code, exc.to_body())
             raise
         except BaseException:
             await self._store.release(key.scope, key.token)
             raise
-        await self._settle_key(key, execution.request, 200, result)
-        return result
+        await self._settle_key(key, request, 200, answer)
+        return answer
 
     async def release(self, key: IdempotentKey) -> None:
         """Free a key whose request was refused before it ran."""
         await self._store.release(key.scope, key.token)
 
     def stream(
-        self, key: IdempotentKey, execution: Execution, assembler: StreamAssembler
+        self, key: IdempotentKey, request: Request, run: Run, head: ResponseHead
     ) -> TeeSource:
-        """Start a streaming request in the background; the response reads it live.
-        ``assembler`` must be the one the execution's relay feeds every chunk to."""
-        tee = TeeSource(execution.headers, execution.quota_answered, assembler)
-        task = asyncio.create_task(self._run_stream(key, execution, tee))
+        """Start a streaming request in the background; the response reads it live."""
+        tee = TeeSource(head, StreamAssembler(request.endpoint))
+        task = asyncio.create_task(self._run_stream(key, request, run, tee))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return tee
 
-    async def _run_stream(self, key: IdempotentKey, execution: Execution, tee: TeeSource) -> None:
+    async def _run_stream(
+        self, key: IdempotentKey, request: Request, run: Run, tee: TeeSource
+    ) -> None:
         # The key is settled before the client hears how its request ended (the error status,
         # or the last event: [DONE] or the error event), so a client that retries at once
         # finds the answer stored or the key free, never a 409 for a request that is over.
-        request = execution.request
         last: str | None = None
         try:
             try:
-                await execution.open_stream()
+                await anext(run)  # OPENED
             except TandemError as exc:
                 try:
                     await self._settle_key(key, request, exc.status_code, exc.to_body())
@@ -155,18 +155,16 @@ class IdempotentRuns:
                     tee.opened.set_exception(exc)
                 return
             tee.opened.set_result(None)
-            async for payload in execution.events():
+            async for item in run:
                 if last is not None:
                     tee.put(last)
-                last = payload
-            error = execution.stream_error
-            if error is not None:
-                await self._settle_key(key, request, error.status_code, error.to_body())
-            else:
-                assembled = tee.assembler.result()
-                if request.usage is not None:  # the engine's, even if the client did not ask
-                    assembled["usage"] = request.usage.to_openai()
-                await self._settle_key(key, request, 200, assembled)
+                if isinstance(item, StreamEnd):
+                    last = item.payload()
+                    await self._settle_end(key, request, item, tee.assembler)
+                    continue
+                assert isinstance(item, dict)
+                tee.assembler.add(item)
+                last = orjson.dumps(item).decode()
         except BaseException as exc:
             if not tee.opened.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -179,7 +177,20 @@ class IdempotentRuns:
             if last is not None:
                 tee.put(last)
             tee.put(_END)
-            await execution.aclose()
+            await run.aclose()
+
+    async def _settle_end(
+        self, key: IdempotentKey, request: Request, end: StreamEnd, assembler: StreamAssembler
+    ) -> None:
+        """Store how a stream ended: the error event's error, or the assembled answer with
+        the engine's usage (even if the client did not ask for it)."""
+        if end.error is not None:
+            await self._settle_key(key, request, end.error.status_code, end.error.to_body())
+            return
+        assembled = assembler.result()
+        if request.usage is not None:
+            assembled["usage"] = request.usage.to_openai()
+        await self._settle_key(key, request, 200, assembled)
 
     async def _settle_key(
         self, key: IdempotentKey, request: Request, status: int, body: dict[str, Any]
@@ -187,7 +198,7 @@ class IdempotentRuns:
         """Store the answer if an engine saw the request; else free the key (docs/WIRE.md §3:
         rejected before execution, nothing stored)."""
         try:
-            if request.path is None:
+            if not request.engine_ran:
                 await self._store.release(key.scope, key.token)
                 return
             stored = StoredResponse(status, orjson.dumps(body), time.time())
@@ -205,14 +216,9 @@ class IdempotentRuns:
 class TeeSource:
     """The live side of a background idempotent stream; leaving it does not stop the run."""
 
-    def __init__(
-        self,
-        headers: dict[str, str],
-        quota_answered: Callable[[], Awaitable[None]],
-        assembler: StreamAssembler,
-    ) -> None:
-        self.headers = headers
-        self._quota_answered = quota_answered
+    def __init__(self, head: ResponseHead, assembler: StreamAssembler) -> None:
+        self.headers = head.headers
+        self._head = head
         self.assembler = assembler
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Read even when the client already left, so a failure is not reported as unread.
@@ -227,7 +233,7 @@ class TeeSource:
         await asyncio.shield(self.opened)
 
     async def quota_answered(self) -> None:
-        await self._quota_answered()
+        await self._head.quota_answered()
 
     async def events(self) -> AsyncIterator[str]:
         queue = self._queue

@@ -21,8 +21,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from gateway.admin_key import ADMIN_KEY_FILE
-from gateway.settings import TandemSettings
+from gateway.assembly.admin_key import ADMIN_KEY_FILE
+from gateway.assembly.settings import TandemSettings
 
 out = Console()
 err = Console(stderr=True)

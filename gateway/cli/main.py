@@ -28,10 +28,10 @@ import uvicorn
 from rich.console import Console
 from rich.status import Status
 
-from gateway.cli_admin import add_admin_parser, add_log_level_flag, run_admin
-from gateway.cli_billing import add_billing_parser, run_billing
-from gateway.settings import TandemSettings
-from gateway.stack import Stack, prepare_model_in_subprocess
+from gateway.assembly.settings import TandemSettings
+from gateway.assembly.stack import Stack, prepare_model_in_subprocess
+from gateway.cli.admin import add_admin_parser, add_log_level_flag, run_admin
+from gateway.cli.billing import add_billing_parser, run_billing
 from workers.model import ModelPreparationError, RichProgress, prepare_model
 from workers.pool import WorkerStartupError, WorkerStatus
 
@@ -321,7 +321,3 @@ class BootProgress:
 
     def _say(self, line: str) -> None:
         self._console.print(line, markup=False, highlight=False)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

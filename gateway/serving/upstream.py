@@ -24,7 +24,7 @@ from core.errors import (
     TandemError,
 )
 from core.messages import Endpoint
-from gateway.deadlines import within_deadline
+from gateway.serving.deadlines import within_deadline
 from workers.registry import Worker
 
 _CONTEXT_LENGTH_MARKERS = ("maximum context length", "context length", "max_model_len")

@@ -33,8 +33,14 @@ from billing.summaries import (
     parse_period,
 )
 from core.errors import ConflictError, InvalidRequestError, NotFoundError, StoreUnavailableError
-from gateway.routes_admin import RegistryDep, require_admin, resolve_tenant
-from gateway.routes_openai import ServicesDep
+from gateway.admin.deps import (
+    AdminDep,
+    BillingDep,
+    RegistryDep,
+    get_billing,
+    require_admin,
+    resolve_tenant,
+)
 
 admin_router = APIRouter(
     prefix="/admin/v1", tags=["billing"], dependencies=[Depends(require_admin)]
@@ -42,16 +48,6 @@ admin_router = APIRouter(
 tenant_router = APIRouter(tags=["usage"])
 
 _SOURCE = "tandem/gateway"
-
-
-async def get_billing(http_request: HttpRequest) -> Billing:
-    billing: Billing | None = http_request.app.state.billing
-    if billing is None:
-        raise NotFoundError("Billing is switched off on this gateway (TANDEM_BILLING=false).")
-    return billing
-
-
-BillingDep = Annotated[Billing, Depends(get_billing)]
 
 
 class PriceCardCreate(BaseModel):
@@ -246,7 +242,7 @@ async def request_log(
 @tenant_router.get("/v1/usage")
 async def own_usage(
     http_request: HttpRequest,
-    services: ServicesDep,
+    services: AdminDep,
     from_: Annotated[str | None, Query(alias="from")] = None,
     to: str | None = None,
     kind: ExportKind = ExportKind.DAILY,
@@ -254,8 +250,8 @@ async def own_usage(
 ) -> Response:
     """The caller's own usage (its key's tenant only): daily summaries with totals and the
     budget as JSON (default: this month), or any export kind and format."""
-    caller = await services.gate.authenticate(http_request.headers.get("authorization"))
-    billing = await get_billing(http_request)
+    caller = await services.authenticate(http_request.headers.get("authorization"))
+    billing = await get_billing(services)
     tenant_id = caller.tenant.tenant_id
     if from_ is None and to is None:
         period = month_of(now_us())

@@ -1,29 +1,29 @@
-"""The decode workers' KV-cache usage, polled: the admission queue's second capacity signal.
+"""The decode workers' KV-cache usage, polled and written on each ``Worker`` record.
 
 A decode worker whose KV cache is nearly full would preempt running requests (vLLM recomputes
-them later) if given more; holding new requests in the fair queue instead keeps running
-streams smooth and lets fairness decide who goes next. vLLM exposes the figure as the gauge
-``vllm:kv_cache_usage_perc`` (0..1) on ``/metrics``.
+them later) if given more. ``Worker.kv_usage`` feeds both uses of the pool's ``kv_watermark``:
+admission (``DecodeCapacity``) holds new requests in the fair queue while no worker has room,
+and ``pick()`` routes admitted ones to a worker under the watermark. vLLM exposes the figure as
+the gauge ``vllm:kv_cache_usage_perc`` (0..1) on ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
 import aiohttp
 
-from gateway.worker_metrics import fetch_metrics_text
 from workers.registry import Worker, WorkerSource
-
-log = logging.getLogger("tandem.gateway")
+from workers.scrape import fetch_metrics_text
 
 _GAUGE = "vllm:kv_cache_usage_perc"
 
 
 class KvUsageWatcher:
-    """Polls every decode worker's KV-cache usage; ``start()``/``aclose()`` own the loop."""
+    """Reads every healthy decode worker's KV-cache usage each ``interval_s`` and writes it on
+    the worker (``Worker.kv_usage``); an unhealthy or unreadable worker gets None (unknown).
+    ``start()``/``aclose()`` own the loop; ``aclose()`` leaves every usage unknown."""
 
     def __init__(
         self, session: aiohttp.ClientSession, decode: WorkerSource, interval_s: float = 1.0
@@ -31,13 +31,7 @@ class KvUsageWatcher:
         self._session = session
         self._decode = decode
         self._interval_s = interval_s
-        self._usage: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
-
-    def usage(self, worker: Worker) -> float | None:
-        """The worker's last reported usage (0..1); None when unknown (not polled yet, or the
-        worker does not report it)."""
-        return self._usage.get(worker.name)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="tandem-kv-usage")
@@ -47,19 +41,24 @@ class KvUsageWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for worker in self._decode.workers:
+            worker.kv_usage = None  # nobody keeps it current any more
+
+    async def poll_once(self) -> None:
+        """One round: read the healthy workers, clear the others."""
+        workers = list(self._decode.workers)
+        readings = await asyncio.gather(*(self._read(worker) for worker in workers))
+        for worker, value in zip(workers, readings, strict=True):
+            worker.kv_usage = value
 
     async def _loop(self) -> None:
         while True:
-            workers = [worker for worker in self._decode.workers if worker.healthy]
-            readings = await asyncio.gather(*(self._read(worker) for worker in workers))
-            self._usage = {
-                worker.name: value
-                for worker, value in zip(workers, readings, strict=True)
-                if value is not None
-            }
+            await self.poll_once()
             await asyncio.sleep(self._interval_s)
 
     async def _read(self, worker: Worker) -> float | None:
+        if not worker.healthy:
+            return None
         # No answer reads as unknown, not full: health checks decide whether the worker is gone.
         text = await fetch_metrics_text(self._session, worker, self._interval_s)
         return None if text is None else parse_kv_usage(text)
@@ -71,7 +70,7 @@ def parse_kv_usage(metrics_text: str) -> float | None:
     A line scan, not a full parse: the text is tens of KB and read every second."""
     found: float | None = None
     for line in metrics_text.splitlines():
-        if line.startswith(_GAUGE) and line[len(_GAUGE)] in "{ ":
+        if line.startswith(_GAUGE) and line[len(_GAUGE) : len(_GAUGE) + 1] in ("{", " "):
             with contextlib.suppress(ValueError, IndexError):
                 value = float(line.rsplit(" ", 1)[1])
                 found = value if found is None else max(found, value)

@@ -1,0 +1,105 @@
+"""What the admin API's routes receive: its services, the admin check, tenant lookup.
+
+The app's assembly puts one ``AdminServices`` in the lifespan state under ``ADMIN_STATE``;
+routes get it (or a part) through the FastAPI dependencies below, never from ``app.state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Header
+from fastapi import Request as HttpRequest
+
+from admission.controller import AdmissionController
+from admission.quota import StoreUnavailable
+from admission.registry import TenantRegistry
+from admission.tenants import Tenant
+from billing.service import Billing
+from core.errors import NotFoundError, StoreUnavailableError
+from gateway.auth import AdminAuth, Caller
+from moderation.moderator import Moderator
+
+T = TypeVar("T")
+
+ADMIN_STATE = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class AdminServices:
+    """What the admin API and a tenant's own usage route use."""
+
+    admin_auth: AdminAuth
+    registry: TenantRegistry
+    controller: AdmissionController
+    moderator: Moderator
+    """The gateway's moderation providers, which a tenant's policy may name."""
+    authenticate: Callable[[str | None], Awaitable[Caller]]
+    """A tenant key's caller (401 otherwise, counted as a rejection): for ``/v1/usage``."""
+    billing: Billing | None = None
+    """None when billing is switched off."""
+
+
+async def get_admin(http_request: HttpRequest) -> AdminServices:
+    # async: FastAPI runs a plain `def` dependency in a thread pool.
+    services: AdminServices = getattr(http_request.state, ADMIN_STATE)
+    return services
+
+
+AdminDep = Annotated[AdminServices, Depends(get_admin)]
+
+
+async def require_admin(
+    services: AdminDep, authorization: Annotated[str | None, Header()] = None
+) -> None:
+    await services.admin_auth.check(authorization)
+
+
+async def get_registry(services: AdminDep) -> TenantRegistry:
+    return services.registry
+
+
+async def get_moderator(services: AdminDep) -> Moderator:
+    return services.moderator
+
+
+async def get_controller(services: AdminDep) -> AdmissionController:
+    return services.controller
+
+
+async def get_billing(services: AdminDep) -> Billing:
+    if services.billing is None:
+        raise NotFoundError("Billing is switched off on this gateway (TANDEM_BILLING=false).")
+    return services.billing
+
+
+RegistryDep = Annotated[TenantRegistry, Depends(get_registry)]
+ModeratorDep = Annotated[Moderator, Depends(get_moderator)]
+ControllerDep = Annotated[AdmissionController, Depends(get_controller)]
+BillingDep = Annotated[Billing, Depends(get_billing)]
+
+
+async def resolve_tenant(registry: TenantRegistry, ref: str) -> Tenant:
+    """The tenant with id or name ``ref``; 404 if none."""
+    tenant = await store_call(registry.get_tenant(ref))
+    if tenant is None:
+        tenant = await store_call(registry.find_tenant(ref))
+    if tenant is None:
+        raise tenant_not_found(ref)
+    return tenant
+
+
+async def store_call(operation: Awaitable[T]) -> T:
+    """Await a registry or quota call; an unreachable store is a 503, not a 500."""
+    try:
+        return await operation
+    except StoreUnavailable as exc:
+        raise StoreUnavailableError(
+            "The tenant store is unavailable; retry shortly.", retry_after_s=2.0
+        ) from exc
+
+
+def tenant_not_found(ref: str) -> NotFoundError:
+    return NotFoundError(f"No tenant with id or name '{ref}'.", param="tenant")

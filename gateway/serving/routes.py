@@ -1,0 +1,156 @@
+"""The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+``/v1/moderations``. A route parses, runs the flow (``gateway/serving/flow.py``), renders."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from admission.idempotency import HEADER as IDEMPOTENCY_HEADER
+from admission.idempotency import fingerprint, parse_idempotency_key
+from core.errors import InvalidRequestError
+from core.messages import Endpoint
+from gateway.errors import invalid_request_from_validation
+from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
+from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
+from gateway.serving.idempotent import replay_response
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving.sse import serve_stream
+from moderation.openai_shape import moderation_response, parse_moderation_input
+
+router = APIRouter()
+
+SERVING_STATE = "serving"
+"""The lifespan state key the app's assembly puts this package's ``ServingServices`` under."""
+
+
+async def get_services(http_request: HttpRequest) -> ServingServices:
+    # async: FastAPI runs a plain `def` dependency in a thread pool, ~0.2 ms of CPU per request.
+    services: ServingServices = getattr(http_request.state, SERVING_STATE)
+    return services
+
+
+ServicesDep = Annotated[ServingServices, Depends(get_services)]
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(http_request: HttpRequest, services: ServicesDep) -> Response:
+    """OpenAI chat completions, streaming or not."""
+    return await _serve(Endpoint.CHAT, ChatCompletionRequest, http_request, services)
+
+
+@router.post("/v1/completions")
+async def completions(http_request: HttpRequest, services: ServicesDep) -> Response:
+    """OpenAI (legacy) text completions, streaming or not."""
+    return await _serve(Endpoint.COMPLETIONS, CompletionRequest, http_request, services)
+
+
+@router.post("/v1/moderations")
+async def moderations(http_request: HttpRequest, services: ServicesDep) -> dict[str, Any]:
+    """OpenAI's moderation endpoint, answered by this gateway's providers: the caller's input
+    policy's providers, or every configured one when its policy names none."""
+    caller = await services.gate.authenticate(http_request.headers.get("authorization"))
+    body = await _json_body(http_request)
+    texts = parse_moderation_input(body)
+    moderator = services.content.moderator
+    providers = services.content.policy_for(caller.tenant).input.providers or tuple(
+        sorted(moderator.provider_names)
+    )
+    results = await moderator.classify(texts, providers)
+    model = body.get("model") or "tandem-moderation"
+    return moderation_response(results, str(model), uuid.uuid4().hex)
+
+
+@router.get("/v1/models")
+async def list_models(http_request: HttpRequest, services: ServicesDep) -> dict[str, Any]:
+    """The served models, in OpenAI's list shape (a key is needed, as on OpenAI)."""
+    await services.gate.authenticate(http_request.headers.get("authorization"))
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model.name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "tandem",
+                "max_model_len": model.max_model_len,
+                "default_max_tokens": model.output_cap,
+            }
+            for model in services.router.models
+        ],
+    }
+
+
+async def _serve(
+    endpoint: Endpoint,
+    schema: type[BaseModel],
+    http_request: HttpRequest,
+    services: ServingServices,
+) -> Response:
+    """auth -> validate -> the flow -> the response (docs/WIRE.md)."""
+    headers = http_request.headers
+    caller = await services.gate.authenticate(headers.get("authorization"))
+    body = await _json_body(http_request)
+    try:
+        schema.model_validate(body)  # the client's own JSON is what the engine gets
+    except ValidationError as exc:
+        raise invalid_request_from_validation(exc) from exc
+    flow = RequestFlow(services)
+    deadline = request_deadline(
+        headers.get(TIMEOUT_HEADER), services.deadlines.default_s, services.deadlines.max_s
+    )
+    request = flow.receive(endpoint, body, caller, deadline)
+    idempotency_key = parse_idempotency_key(headers.get(IDEMPOTENCY_HEADER))
+    body_fingerprint = fingerprint(body) if idempotency_key else ""  # the client's own body
+    outcome = await flow.serve(
+        request, caller, idempotency_key, body_fingerprint, _client_gone(http_request)
+    )
+    return await _render(outcome, request.stream, request.include_usage, endpoint, services)
+
+
+async def _render(
+    outcome: Outcome,
+    stream: bool,
+    include_usage: bool,
+    endpoint: Endpoint,
+    services: ServingServices,
+) -> Response:
+    if isinstance(outcome, Replayed):
+        return replay_response(outcome.stored, endpoint, stream, include_usage)
+    if isinstance(outcome, Answered):
+        return Response(
+            orjson.dumps(outcome.body), media_type="application/json", headers=outcome.headers
+        )
+    return await serve_stream(outcome.source, services.ping_interval_s)
+
+
+def _client_gone(http_request: HttpRequest) -> Callable[[], Awaitable[None]]:
+    """Waits for the client to hang up. Only for after the body was read: then the server's
+    next message is the disconnect (a cancelled wait consumes nothing)."""
+
+    async def wait() -> None:
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+async def _json_body(http_request: HttpRequest) -> dict[str, Any]:
+    raw = await http_request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            "We could not parse the JSON body of your request: send a JSON object with "
+            "Content-Type: application/json."
+        ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    return body
