@@ -92,7 +92,8 @@ Outcome = Replayed | Streaming | Answered
 
 
 class RequestFlow:
-    """Serves the OpenAI routes' requests; one per gateway."""
+    """Serves the OpenAI routes' requests over the gateway's services (stateless: a route
+    makes one per request)."""
 
     def __init__(self, services: ServingServices) -> None:
         self._s = services
@@ -183,8 +184,8 @@ class RequestFlow:
                     head.admission_ended(request.queue_wait_s)
                 leg = await self._legs(request, client_gone)
             if leg.stream is not None:
-                held.callback(leg.stream.close)
                 held.enter_context(leg.worker.lease())
+                held.callback(leg.stream.close)  # closed first, then the slot is given back
                 relay = Relay(
                     leg.stream, leg.worker.name, request, output_filter, admission.charge_output
                 )
@@ -214,7 +215,7 @@ class RequestFlow:
             # Headers are gone: the error becomes one event and the stream ends (docs/WIRE.md §1).
             log.warning("request %s failed mid-stream: %s", request.request_id, exc.message)
             last = StreamEnd(exc)
-        except BaseException:
+        except Exception:
             # A bug: the client gets the catch-all 500 from gateway/errors.py; count it as failed.
             request.fail("internal_error")
             raise

@@ -286,5 +286,6 @@ async def _unless_worker_lost(attempt: Awaitable[T], kv_source: Worker, check_s:
 
 
 def _pick_other(pool: WorkerSource, failed: Worker) -> Worker | None:
-    """The least-loaded healthy worker other than ``failed``, if any."""
-    return least_loaded(worker for worker in pool.workers if worker is not failed)
+    """The least-loaded healthy worker other than ``failed`` (under the KV watermark when one
+    is), if any."""
+    return least_loaded((w for w in pool.workers if w is not failed), pool.kv_watermark)

@@ -296,7 +296,7 @@ def test_misuse_is_refused() -> None:
 
 
 def relay(chunks: list[dict[str, Any]], endpoint: Endpoint, include_usage: bool) -> list[dict]:
-    """What ``gateway.serving.relay.RelayStream`` sends the client for these engine chunks."""
+    """What ``gateway.serving.relay.Relay`` sends the client for these engine chunks."""
     content_key = "delta" if endpoint is CHAT else "text"
     out: list[dict[str, Any]] = []
     for chunk in chunks:

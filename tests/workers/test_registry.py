@@ -4,7 +4,6 @@ import pytest
 
 from core.messages import WorkerRole
 from decode_pool import DecodePool
-from kv_transfer.affinity import prefix_key
 from workers.pool import PoolConfig
 from workers.registry import Worker, least_loaded, pick_by_affinity
 
@@ -47,15 +46,6 @@ def test_unhealthy_workers_are_skipped_and_only_their_keys_move() -> None:
     assert all(worker is not pool[0] for worker in after.values())
     assert all(after[key] is before[key] for key in before if before[key] is not pool[0])
     assert pick_by_affinity([], "k", 2) is None
-
-
-def test_prefix_key() -> None:
-    chat = {"messages": [{"role": "system", "content": "abc"}, {"role": "user", "content": "x"}]}
-    assert prefix_key(chat, 100) == "system:abc\nuser:x\n"
-    assert prefix_key(chat, 6) == "system"
-    assert prefix_key({"prompt": "hello world"}, 5) == "hello"
-    assert prefix_key({"prompt": [1, 2, 3]}, 3) == "1,2"
-    assert prefix_key({"prompt": ["first", "second"]}, 10) == "first"
 
 
 # --- KV-cache usage: picking passes over KV-full workers ---------------------------------------
