@@ -17,6 +17,8 @@ from typing import Any, Final
 import orjson
 
 from core.errors import TandemError
+from core.messages import Endpoint
+from core.request import Request
 
 
 class Opened:
@@ -108,3 +110,14 @@ async def answer_of(run: Run) -> Chunk:
         return answer
     finally:
         await run.aclose()
+
+
+def content_key(endpoint: Endpoint) -> str:
+    """Where a chunk's choice carries its content: ``delta`` (chat) or ``text``."""
+    return "delta" if endpoint is Endpoint.CHAT else "text"
+
+
+def response_id(request: Request) -> str:
+    """The id clients see: the gateway's request id, the same on every chunk and retry."""
+    prefix = "chatcmpl" if request.endpoint is Endpoint.CHAT else "cmpl"
+    return f"{prefix}-{request.request_id}"

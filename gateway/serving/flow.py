@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from contextlib import ExitStack, aclosing
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,25 +171,16 @@ class RequestFlow:
         s = self._s
         admission: Admission | None = None
         recorder = UsageRecorder(s.billing, request) if s.billing is not None else None
-        held = ExitStack()  # the decode stream and its worker slot, for the stream's life
-        opened = False
+        relay: Relay | None = None
         last: Item | None = None
         try:
             with head.on_errors():
-                try:
-                    admission = await s.gate.admit(
-                        caller, request, client_gone, on_reserved=head.quota_reserved
-                    )
-                finally:
-                    head.admission_ended(request.queue_wait_s)
+                admission = await self._admit(caller, request, head, client_gone)
                 leg = await self._legs(request, client_gone)
-            if leg.stream is not None:
-                held.enter_context(leg.worker.lease())
-                held.callback(leg.stream.close)  # closed first, then the slot is given back
-                relay = Relay(
-                    leg.stream, leg.worker.name, request, output_filter, admission.charge_output
-                )
-                opened = True
+            if leg.answer is not None:
+                last = await self._answer(request, leg.answer, output_filter, recorder)
+            else:
+                relay = Relay(leg, request, output_filter, admission.charge_output)
                 yield OPENED
                 async with aclosing(relay.chunks()) as chunks:
                     async for chunk in chunks:
@@ -198,16 +189,13 @@ class RequestFlow:
                         yield chunk
                 request.finish(relay.finish_reason, relay.usage)
                 last = StreamEnd()
-            else:
-                assert leg.answer is not None
-                last = await self._answer(request, leg.answer, output_filter, recorder)
         except (asyncio.CancelledError, GeneratorExit, ClientDisconnectedError):
             request.abort()
             log.info("request %s aborted: the client went away", request.request_id)
             raise
         except TandemError as exc:
             request.fail(exc.code)
-            if not opened:
+            if relay is None:  # nothing sent yet: the error is the response's status
                 if admission is not None:
                     log.warning("request %s failed: %s (%s)", request.request_id, exc.message,
                                 exc.code)  # fmt: skip
@@ -220,7 +208,8 @@ class RequestFlow:
             request.fail("internal_error")
             raise
         finally:
-            held.close()  # dropping the connection aborts the engine's request
+            if relay is not None:
+                relay.close()  # dropping the connection aborts the engine's request
             if admission is not None:  # refusals at admission count as rejections instead
                 log_request_end(request)
                 s.metrics.observe_end(request)
@@ -229,6 +218,21 @@ class RequestFlow:
                     recorder.record()
         assert last is not None  # set on every way out of the try that does not raise
         yield last
+
+    async def _admit(
+        self,
+        caller: Caller,
+        request: Request,
+        head: ResponseHead,
+        client_gone: ClientGone | None,
+    ) -> Admission:
+        """The quota reserved and a slot in the fair queue; the head learns both."""
+        try:
+            return await self._s.gate.admit(
+                caller, request, client_gone, on_reserved=head.quota_reserved
+            )
+        finally:
+            head.admission_ended(request.queue_wait_s)
 
     async def _legs(self, request: Request, client_gone: ClientGone | None) -> DecodeLeg:
         """Route, the prefill leg and the hand-off, the decode leg to its first byte (or its

@@ -11,33 +11,37 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Callable
+from contextlib import ExitStack
 from typing import Any
 
 import orjson
 
 from core.errors import EngineError
-from core.messages import Endpoint, Usage
+from core.messages import Usage
 from core.request import Request, RequestPhase
+from gateway.serving.events import content_key, response_id
 from gateway.serving.output_filter import OutputFilter
-from gateway.serving.upstream import EngineStream
+from gateway.serving.routing import DecodeLeg
 
 log = logging.getLogger("tandem.requests")
 
 
 class Relay:
-    """One decode stream as the client's chunks; read ``chunks()`` once."""
+    """One decode stream as the client's chunks. It holds the decode worker's slot from its
+    creation until ``close()``, which the flow calls however the request ends."""
 
     def __init__(
         self,
-        upstream: EngineStream,
-        worker_name: str,
+        leg: DecodeLeg,
         request: Request,
         output_filter: OutputFilter | None,
         charge_output: Callable[[int], None],
     ) -> None:
         """``charge_output`` is told each batch of output tokens (the fair queue's charge)."""
-        self._upstream = upstream
-        self._worker_name = worker_name
+        if leg.stream is None:
+            raise ValueError("Relay needs a streaming decode leg")
+        self._upstream = leg.stream
+        self._worker_name = leg.worker.name
         self._request = request
         self._output_filter = output_filter
         self._charge_output = charge_output
@@ -47,6 +51,16 @@ class Relay:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         """The engine's final usage chunk, when it sent one."""
+        # The slot is held across calls: an ExitStack keeps Worker.lease() the one way slots
+        # are counted.
+        self._held = ExitStack()
+        self._held.enter_context(leg.worker.lease())
+
+    def close(self) -> None:
+        """Drop the upstream connection (vLLM aborts the request) and give the slot back;
+        idempotent."""
+        self._upstream.close()
+        self._held.close()
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         """The client's chunks, until the engine's stream ends (or every choice was cut)."""
@@ -170,17 +184,6 @@ def _has_content(choice: dict[str, Any], content_key: str) -> bool:
     if isinstance(value, dict):
         return bool(value.get("content") or value.get("tool_calls") or value.get("reasoning"))
     return bool(value)
-
-
-def content_key(endpoint: Endpoint) -> str:
-    """Where a chunk's choice carries its content: ``delta`` (chat) or ``text``."""
-    return "delta" if endpoint is Endpoint.CHAT else "text"
-
-
-def response_id(request: Request) -> str:
-    """The id clients see: the gateway's request id, the same on every chunk and retry."""
-    prefix = "chatcmpl" if request.endpoint is Endpoint.CHAT else "cmpl"
-    return f"{prefix}-{request.request_id}"
 
 
 def _seconds(value: float | None) -> str:

@@ -23,7 +23,7 @@ from core.errors import EngineError, EngineTimeoutError, ModelNotFoundError, NoH
 from core.messages import ServingPath, Usage
 from core.models import ServedModel
 from core.request import Request, RequestPhase
-from gateway.serving.relay import response_id
+from gateway.serving.events import response_id
 from gateway.serving.upstream import EngineClient, EngineStream
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig, Reason, decide

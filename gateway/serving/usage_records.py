@@ -18,7 +18,7 @@ from billing.records import RequestStatus, UsageRecord
 from billing.service import Billing
 from core.moderation import Action
 from core.request import Request, RequestPhase
-from gateway.serving.relay import content_key
+from gateway.serving.events import content_key
 from moderation.redact import scrub_pii
 
 log = logging.getLogger("tandem.billing")
