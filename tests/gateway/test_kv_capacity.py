@@ -65,3 +65,26 @@ async def _until_gauge_reads(stack: FakeStack, name: str, value: str) -> None:
     while await read() != value:
         assert asyncio.get_running_loop().time() < deadline, f"{name} never read {value}"
         await asyncio.sleep(0.05)
+
+
+async def test_an_admitted_request_is_routed_past_a_worker_over_the_watermark(
+    tmp_path: Path,
+) -> None:
+    # Two idle decode workers: least-loaded picking alone would take the first listed one.
+    access = AccessConfig(
+        admin_key=ADMIN_KEY,
+        stores=StoreConfig(sqlite_path=tmp_path / "tandem.db"),
+        kv_usage_poll_s=0.05,
+    )
+    async with make_fake_stack(
+        num_decode=2, access=access, pool_options={"kv_watermark": 0.9}
+    ) as stack:
+        full, roomy = stack.decodes
+        full.kv_usage_override = 0.97
+        # The watcher saw it: capacity is one worker's 32 slots, not two workers' 64.
+        await _until_gauge_reads(stack, "tandem_admission_capacity", "32.0")
+        for _ in range(3):
+            await stack.client.chat.completions.create(
+                model=MODEL, messages=QUESTION, max_tokens=2
+            )
+        assert (full.stats.num_requests, roomy.stats.num_requests) == (0, 3)
