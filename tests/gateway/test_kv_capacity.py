@@ -84,7 +84,5 @@ async def test_an_admitted_request_is_routed_past_a_worker_over_the_watermark(
         # The watcher saw it: capacity is one worker's 32 slots, not two workers' 64.
         await _until_gauge_reads(stack, "tandem_admission_capacity", "32.0")
         for _ in range(3):
-            await stack.client.chat.completions.create(
-                model=MODEL, messages=QUESTION, max_tokens=2
-            )
+            await stack.client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
         assert (full.stats.num_requests, roomy.stats.num_requests) == (0, 3)
