@@ -1,5 +1,8 @@
-"""The OpenAI-compatible HTTP gateway: the only package that knows the whole request flow.
+"""The OpenAI-compatible HTTP gateway, in sub-packages by job (``docs/ARCHITECTURE.md``):
 
-Owns the FastAPI app, request validation at the edge, the serving pipeline (pick workers, run the
-prefill and decode legs, relay the stream), error rendering, settings and the ``tandem`` CLI.
+    cli/       the ``tandem`` commands (up, model, admin, billing)
+    assembly/  settings, stores, the stack ``tandem up`` runs, the FastAPI app and its services
+    serving/   the OpenAI routes and the one request flow (``serving/flow.py``)
+    admin/     the admin API and a tenant's own usage
+    auth.py, errors.py, metrics.py: what serving and admin share
 """

@@ -1,7 +1,8 @@
-"""The gate in front of the pipeline: authenticate, estimate, admit; and settle at the end.
+"""The admission gate the flow passes through: authenticate, estimate, admit; and settle.
 
-Authorization -> Caller (401) -> token estimate -> AdmissionController.admit (400/429/503)
--> pipeline ... -> settle(used tokens): reconcile the quota, free the queue slot
+Authorization -> Caller (401) -> output cap and token estimate (on the Request) ->
+AdmissionController.admit (400/429/503) -> the legs ... -> settle(used tokens): reconcile the
+quota, free the queue slot
 
 A client that hangs up while its request waits for admission leaves the queue at once: the
 server does not cancel a handler whose client left, so admission races the client's disconnect.
