@@ -20,6 +20,13 @@ class PriorityBand(enum.StrEnum):
         """0 is served first and shed last."""
         return _BAND_RANK[self]
 
+    @property
+    def engine_priority(self) -> int:
+        """The ``priority`` vLLM's priority scheduling gets for this band (lower is scheduled
+        first, and may preempt higher): interactive work joins the engine's batch ahead of
+        standard and batch work, not just ahead of them in the gateway's queue."""
+        return _BAND_RANK[self] - _BAND_RANK[PriorityBand.STANDARD]
+
 
 _BAND_RANK = {PriorityBand.INTERACTIVE: 0, PriorityBand.STANDARD: 1, PriorityBand.BATCH: 2}
 

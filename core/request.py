@@ -149,6 +149,16 @@ class Request:
         self._check_before(RequestPhase.ADMITTED, "cap_output")
         self.body["max_tokens"] = max_tokens
 
+    def set_engine_priority(self, priority: int | None) -> None:
+        """The ``priority`` every leg carries to the engine (None: none, for workers without
+        priority scheduling). The gateway decides it, never the client: a client's own
+        ``priority`` is replaced or dropped."""
+        self._check_before(RequestPhase.ADMITTED, "set_engine_priority")
+        if priority is None:
+            self.body.pop("priority", None)
+        else:
+            self.body["priority"] = priority
+
     def bill_as(self, record_id: str) -> None:
         """Bill every run of this request under ``record_id`` (an idempotency key's)."""
         self._check_before(RequestPhase.ADMITTED, "bill_as")

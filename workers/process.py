@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 import psutil
 
@@ -62,6 +62,11 @@ class LaunchConfig:
     leaks its shared memory and leaves its executor workers as zombies; the engine core itself
     waits up to 5 s for its executor worker (measured: ~4 s on CPU), so less cuts that short.
     Keep it below the pool's ``stop_timeout_s``, after which Tandem SIGKILLs what is left."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """vLLM's waiting-queue order (``--scheduling-policy``). ``priority`` serves each request by
+    the ``priority`` the gateway gives it (its tenant's band: lower first) and preempts
+    lower-priority running requests for it; ``fcfs`` is vLLM's default (arrival order, and any
+    priority other than 0 is refused)."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
     extra_args: tuple[str, ...] = ()
@@ -149,6 +154,7 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
     if launch.dtype != "auto":
         argv += ["--dtype", launch.dtype]
     argv += ["--shutdown-timeout", str(launch.shutdown_timeout_s)]
+    argv += ["--scheduling-policy", launch.scheduling_policy]
     # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
     # cached price.
     argv.append("--enable-prompt-tokens-details")

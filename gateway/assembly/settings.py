@@ -139,6 +139,12 @@ class TandemSettings(BaseSettings):
     """A decode worker whose KV cache is at least this full (vLLM's ``kv_cache_usage_perc``)
     takes no new requests: they wait in the fair queue instead of making vLLM preempt, and
     admitted ones go to a decode worker under it (to the least-loaded one if none is)."""
+    engine_priority: bool = True
+    """Carry each tenant's band into vLLM as the request's ``priority`` (interactive -1,
+    standard 0, batch 1) on both legs, with managed workers run ``--scheduling-policy
+    priority``: interactive work is scheduled first inside the engine and may preempt batch
+    work. External workers must run that policy too (vLLM refuses a non-zero priority
+    otherwise), or set this to false."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
 

@@ -119,6 +119,7 @@ class Stack:
             block_size=settings.kv_block_size,
             enforce_eager=settings.enforce_eager,
             dtype=settings.dtype,
+            scheduling_policy="priority" if settings.engine_priority else "fcfs",
             connector=connector_config(settings),
         )
         num_prefill = settings.num_prefill_workers
@@ -266,7 +267,9 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         controller=ControllerConfig(store_failure=StoreFailurePolicy(settings.quota_store_failure)),
         max_queue=settings.max_queue,
         max_in_flight_per_worker=settings.max_in_flight_per_worker,
-        gate=GateConfig(queue_timeout_s=settings.queue_timeout_s),
+        gate=GateConfig(
+            queue_timeout_s=settings.queue_timeout_s, engine_priority=settings.engine_priority
+        ),
         tokenizer_dir=model_dir,
     )
 

@@ -50,6 +50,10 @@ class GateConfig:
 
     queue_timeout_s: float = 60.0
     """Longest wait in the fair queue."""
+    engine_priority: bool = False
+    """Send each request's band to the engine as vLLM's ``priority`` (its workers must run
+    ``--scheduling-policy priority``, which ``tandem up`` gives its own workers); False sends
+    none and drops a client's."""
 
 
 class Gate:
@@ -101,6 +105,8 @@ class Gate:
                 self._metrics.observe_rejection(exc.code)
                 raise
         cap_output_tokens(request, caller.tenant.plan.max_output_tokens)
+        band = caller.tenant.plan.band
+        request.set_engine_priority(band.engine_priority if self._config.engine_priority else None)
         model = request.model
         estimate = await estimate_tokens(
             request.endpoint, request.body, request.prompt, self._counter, model.max_model_len

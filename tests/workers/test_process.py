@@ -120,6 +120,8 @@ def test_prefill_and_decode_command_lines() -> None:
     assert argv[argv.index("--block-size") + 1] == "128"  # the gateway counts KV bytes with it
     # The API server gives its engine core time to exit in order instead of SIGKILLing it.
     assert argv[argv.index("--shutdown-timeout") + 1] == "10"
+    # Requests carry their tenant's band as vLLM's priority (gateway/serving/gate.py).
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
