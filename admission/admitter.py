@@ -21,6 +21,7 @@ better off giving up or going elsewhere than being told to sit out a guess.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ class AdmissionConfig:
     """How long a request without a deadline may wait in the queue."""
     poll_interval_s: float = 0.1
     """How often capacity and deadlines are re-checked with no event to trigger it."""
+    interactive_headroom: float = 0.0
+    """Interactive-band requests may be admitted past capacity by this fraction of it (rounded
+    up; none while capacity is 0, e.g. every decode worker KV-full). Without it, an
+    interactive request behind a full engine waits for a slot to free; with it, it joins the
+    engine at once, where priority scheduling runs it first (preempting batch work, which
+    resumes). Bounded, so the engine is never oversubscribed by more than this."""
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -59,6 +66,8 @@ class AdmissionConfig:
             raise ValueError("AdmissionConfig.default_queue_timeout_s must be > 0")
         if not self.poll_interval_s > 0:
             raise ValueError("AdmissionConfig.poll_interval_s must be > 0")
+        if not 0 <= self.interactive_headroom <= 1:
+            raise ValueError("AdmissionConfig.interactive_headroom must be in [0, 1]")
 
 
 class CapacitySignal(Protocol):
@@ -221,7 +230,7 @@ class Admitter:
             tenant_id, weight, band, prompt_tokens, now, deadline, loop.create_future()
         )
         self._dispatch()  # capacity may have grown since the last event: queue only if full
-        if not self._fair and self._num_in_flight < self._capacity.capacity():
+        if not self._fair and self._num_in_flight < self._limit(band, self._capacity.capacity()):
             self._fair.push(entry)
             return self._grant(self._fair.pop(), now)
         if len(self._fair) >= self._config.max_queue:
@@ -237,6 +246,7 @@ class Admitter:
                 ),
             )
         self._fair.push(entry)
+        self._dispatch()  # an interactive newcomer may use the headroom past queued work
         return await self._wait(entry)
 
     def poll(self) -> None:
@@ -262,16 +272,22 @@ class Admitter:
                 future.result().release()
             raise
 
+    def _limit(self, band: PriorityBand, capacity: int) -> int:
+        """How many in flight a request of ``band`` may join: capacity, plus the headroom for
+        interactive work."""
+        if band is PriorityBand.INTERACTIVE and capacity > 0:
+            return capacity + math.ceil(capacity * self._config.interactive_headroom)
+        return capacity
+
     def _dispatch(self) -> None:
-        """Admit queued entries while in-flight < capacity: capacity never idles while a
-        request waits."""
+        """Admit queued entries, head first, while in-flight is under the head's limit:
+        capacity never idles while a request waits."""
         if not self._fair:
             return
         now = self._clock()
         capacity = self._capacity.capacity()
-        while self._num_in_flight < capacity:
-            entry = self._fair.peek()
-            if entry is None:
+        while (entry := self._fair.peek()) is not None:
+            if self._num_in_flight >= self._limit(entry.band, capacity):
                 return
             if entry.payload.done():
                 # Its waiter was cancelled and has not run its cleanup yet: not charged.

@@ -70,6 +70,9 @@ class AccessConfig:
     """Requests waiting for admission at once; more are shed."""
     max_in_flight_per_worker: int = 32
     """Admitted requests per healthy decode worker."""
+    interactive_headroom: float = 0.0
+    """Interactive-band requests may be admitted past that capacity by this fraction of it
+    (``AdmissionConfig.interactive_headroom``)."""
     gate: GateConfig = field(default_factory=GateConfig)
     """Queue deadline."""
     tokenizer_dir: Path | None = None
@@ -251,6 +254,7 @@ async def _admitter(
             max_queue=access.max_queue,
             max_in_flight=access.max_in_flight_per_worker,
             default_queue_timeout_s=access.gate.queue_timeout_s,
+            interactive_headroom=access.interactive_headroom,
         ),
         DecodeCapacity(decode, access.max_in_flight_per_worker),
     )

@@ -139,6 +139,11 @@ class TandemSettings(BaseSettings):
     """A decode worker whose KV cache is at least this full (vLLM's ``kv_cache_usage_perc``)
     takes no new requests: they wait in the fair queue instead of making vLLM preempt, and
     admitted ones go to a decode worker under it (to the least-loaded one if none is)."""
+    interactive_headroom: float = Field(0.25, ge=0, le=1)
+    """Interactive-band requests may be admitted past the in-flight cap by this fraction of it
+    (rounded up; none while every decode worker is KV-full): they join the engine at once and
+    priority scheduling runs them first, instead of waiting for a slot behind batch work. 0
+    admits every band by the same cap."""
     engine_priority: bool = True
     """Carry each tenant's band into vLLM as the request's ``priority`` (interactive -1,
     standard 0, batch 1) on both legs, with managed workers run ``--scheduling-policy

@@ -267,6 +267,7 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         controller=ControllerConfig(store_failure=StoreFailurePolicy(settings.quota_store_failure)),
         max_queue=settings.max_queue,
         max_in_flight_per_worker=settings.max_in_flight_per_worker,
+        interactive_headroom=settings.interactive_headroom,
         gate=GateConfig(
             queue_timeout_s=settings.queue_timeout_s, engine_priority=settings.engine_priority
         ),

@@ -21,6 +21,8 @@ from admission.plans import PriorityBand
 from core.errors import OverloadedError
 
 STANDARD = PriorityBand.STANDARD
+INTERACTIVE = PriorityBand.INTERACTIVE
+BATCH = PriorityBand.BATCH
 
 
 class FakeClock:
@@ -87,7 +89,10 @@ async def make() -> AsyncIterator[MakeHarness]:
     harnesses: list[Harness] = []
 
     async def build(
-        capacity: int = 1, max_queue: int = 8, poll_interval_s: float = 60.0
+        capacity: int = 1,
+        max_queue: int = 8,
+        poll_interval_s: float = 60.0,
+        interactive_headroom: float = 0.0,
     ) -> Harness:
         # A long poll interval by default: tests drive polls by hand unless they test the loop.
         config = AdmissionConfig(
@@ -95,6 +100,7 @@ async def make() -> AsyncIterator[MakeHarness]:
             max_in_flight=capacity,
             default_queue_timeout_s=30.0,
             poll_interval_s=poll_interval_s,
+            interactive_headroom=interactive_headroom,
         )
         signal, clock = FakeCapacity(capacity), FakeClock()
         admitter = Admitter(config, signal, FairQueueConfig(), clock=clock)
@@ -368,3 +374,63 @@ async def test_retry_after_grows_with_the_queue_and_a_stall_and_is_clamped(
     for task in queued:  # their 30 s default queue timeout passed during the stall
         with pytest.raises(OverloadedError, match="before its deadline"):
             await task
+
+
+# --- Interactive headroom: interactive work joins a full engine, by a bounded amount ---------
+
+
+async def test_interactive_work_is_admitted_past_a_full_capacity_by_the_headroom(
+    make: MakeHarness,
+) -> None:
+    h = await make(capacity=4, interactive_headroom=0.25)  # one slot over the cap (ceil 4 x 0.25)
+    held = [await h.admit(f"bulk-{i}") for i in range(4)]
+    standard = h.waiter("standard", "bulk")
+    first = h.waiter("chat-1", "chat", INTERACTIVE)
+    second = h.waiter("chat-2", "chat", INTERACTIVE)
+    await settle()
+    # The first interactive request passed the queued standard one and the cap; the second
+    # finds the headroom used up and waits, like the standard one.
+    assert h.order == ["chat-1"] and h.admitter.num_in_flight == 5
+    assert not standard.done() and not second.done()
+    first.result().release()
+    await settle()
+    assert h.order == ["chat-1", "chat-2"]  # interactive still goes first within the headroom
+    held[0].release()
+    await settle()
+    assert not standard.done()  # 5 in flight: at the cap plus the headroom's one
+    second.result().release()
+    await settle()
+    assert h.order == ["chat-1", "chat-2", "standard"]
+    for slot in held[1:]:
+        slot.release()
+
+
+async def test_no_headroom_while_capacity_is_zero(make: MakeHarness) -> None:
+    h = await make(capacity=2, interactive_headroom=1.0)
+    h.capacity.value = 0  # every decode worker KV-full or unhealthy
+    chat = h.waiter("chat", "chat", INTERACTIVE)
+    await settle()
+    assert not chat.done()
+    h.capacity.value = 2
+    h.admitter.poll()
+    await settle()
+    assert h.order == ["chat"]
+
+
+async def test_standard_and_batch_work_never_use_the_headroom(make: MakeHarness) -> None:
+    h = await make(capacity=2, interactive_headroom=1.0)
+    held = [await h.admit("a"), await h.admit("b")]
+    waiting = [h.waiter("std", "c"), h.waiter("batch", "d", BATCH)]
+    await settle()
+    assert h.order == [] and h.admitter.num_in_flight == 2
+    for slot in held:
+        slot.release()
+    await release_in_turn(waiting)
+    assert h.order == ["std", "batch"]
+
+
+def test_the_headroom_is_a_fraction_of_capacity() -> None:
+    with pytest.raises(ValueError, match="interactive_headroom"):
+        AdmissionConfig(
+            max_queue=1, max_in_flight=1, default_queue_timeout_s=1.0, interactive_headroom=1.5
+        )
