@@ -127,16 +127,16 @@ class RequestFlow:
         request.advance(RequestPhase.MODERATED)
         claim: IdempotentKey | None = None
         if idempotency_key is not None:
-            outcome = await self._claim(request, idempotency_key, body_fingerprint)
+            tenant_id = caller.tenant.tenant_id
+            outcome = await self._claim(request, tenant_id, idempotency_key, body_fingerprint)
             if isinstance(outcome, StoredResponse):
                 return Replayed(outcome)
             claim = outcome
             # Every run of this key is one ledger record: a re-run after a restart is not
             # billed twice.
             request.bill_as(
-                idempotent_record_id(request.tenant_id or "", request.endpoint.value,
-                                     idempotency_key)
-            )  # fmt: skip
+                idempotent_record_id(tenant_id, request.endpoint.value, idempotency_key)
+            )
         try:
             s.router.check_decode_available()
         except TandemError:
@@ -276,12 +276,12 @@ class RequestFlow:
         return answer
 
     async def _claim(
-        self, request: Request, key: str, body_fingerprint: str
+        self, request: Request, tenant_id: str, key: str, body_fingerprint: str
     ) -> IdempotentKey | StoredResponse:
         s = self._s
         try:
             claim = await s.idempotency.claim(
-                request.tenant_id or "", request.endpoint, key, body_fingerprint, request
+                tenant_id, request.endpoint, key, body_fingerprint, request
             )
         except TandemError as exc:
             s.metrics.observe_idempotency(exc.code or "error")
