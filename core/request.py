@@ -107,6 +107,10 @@ class Request:
     error_code: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_output_at: float | None = None
+    longest_pause_s: float = 0.0
+    """The longest gap between two consecutive output chunks: where an engine preemption (the
+    request recomputed behind higher-priority work) or a stall shows."""
     finished_at: float | None = None
 
     @classmethod
@@ -240,6 +244,10 @@ class Request:
         """Content relayed to the client (about one token per choice and chunk)."""
         self._check_open(self.phase)
         self.num_streamed_tokens += num_tokens
+        now = time.monotonic()
+        if self.last_output_at is not None:
+            self.longest_pause_s = max(self.longest_pause_s, now - self.last_output_at)
+        self.last_output_at = now
 
     def running_usage(self, usage: Usage) -> None:
         """The engine's count so far (kept so a stream cut short bills what was produced)."""

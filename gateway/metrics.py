@@ -42,8 +42,18 @@ class GatewayMetrics:
         )
         self._ttft = Histogram(
             "tandem_time_to_first_token_seconds",
-            "From request received to the first output reaching the client.",
-            ("path",),
+            "From request received to the first output reaching the client, by serving path "
+            "and priority band.",
+            ("path", "band"),
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._longest_pause = Histogram(
+            "tandem_stream_longest_pause_seconds",
+            "Per streamed request, the longest gap between two output chunks, by priority band: "
+            "an engine preemption (the request recomputed behind higher-priority work) or a "
+            "stall shows here; vLLM counts preemptions per worker, not per request.",
+            ("band",),
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -163,13 +173,16 @@ class GatewayMetrics:
     def observe_charged(self, tenant: str, num_tokens: int) -> None:
         self._tenant_tokens.labels(tenant).inc(num_tokens)
 
-    def observe_end(self, request: Request) -> None:
-        """Record a request that reached a terminal phase (call exactly once per request)."""
+    def observe_end(self, request: Request, band: str) -> None:
+        """Record a request that reached a terminal phase (call exactly once per request);
+        ``band`` is the priority band it was admitted in."""
         path = str(request.path or "none")
         outcome = request.phase.name.lower()
         self._requests.labels(path, request.path_reason or "none", outcome).inc()
         if request.ttft_s is not None:
-            self._ttft.labels(path).observe(request.ttft_s)
+            self._ttft.labels(path, band).observe(request.ttft_s)
+        if request.stream and request.num_streamed_tokens > 1:
+            self._longest_pause.labels(band).observe(request.longest_pause_s)
         if request.e2e_s is not None:
             self._e2e.labels(path).observe(request.e2e_s)
         self._observe_route(request, path)

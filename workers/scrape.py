@@ -3,7 +3,7 @@
 Read at scrape time (no background polling): one ``GET /metrics`` per worker, in parallel, with a
 short timeout; a worker that does not answer is left out of that scrape. The figures are the
 workers' own: prefix-cache hits per prefill worker (what cache-affinity routing is for), KV bytes
-and time moved over NIXL per decode worker, KV-cache usage.
+and time moved over NIXL per decode worker, preemptions, KV-cache usage.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ _EXPORTED = {
     "vllm:nixl_xfer_time_seconds_count": (
         "tandem_worker_kv_transfers_total", "counter",
         "NIXL transfers the worker completed.",
+    ),
+    "vllm:num_preemptions_total": (
+        "tandem_worker_preemptions_total", "counter",
+        "Requests the worker's scheduler preempted (their KV freed for higher-priority or "
+        "older work; they resume by recomputing it).",
     ),
     "vllm:kv_cache_usage_perc": (
         "tandem_worker_kv_cache_usage_ratio", "gauge",

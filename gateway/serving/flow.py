@@ -212,7 +212,7 @@ class RequestFlow:
                 relay.close()  # dropping the connection aborts the engine's request
             if admission is not None:  # refusals at admission count as rejections instead
                 log_request_end(request)
-                s.metrics.observe_end(request)
+                s.metrics.observe_end(request, str(admission.tenant.plan.band))
                 await s.gate.settle(admission, request)
                 if recorder is not None:
                     recorder.record()

@@ -194,7 +194,8 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
     )
     assert 'tandem_tokens_total{kind="completion"} 6.0' in metrics
     assert 'tandem_worker_healthy{role="decode",worker="decode-ext-0"} 1.0' in metrics
-    assert 'tandem_time_to_first_token_seconds_count{path="disaggregated"} 1.0' in metrics
+    ttft = 'tandem_time_to_first_token_seconds_count{band="standard",path="disaggregated"} 1.0'
+    assert ttft in metrics
     # The workers' own counters, re-exported per worker.
     assert re.search(
         r'^tandem_worker_prefix_cache_queries_total\{worker="prefill-ext-0",role="prefill"\} [1-9]',
@@ -206,6 +207,21 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
         metrics,
         re.M,
     )
+
+
+async def test_metrics_show_each_bands_longest_stream_pause(fake_stack: FakeStack) -> None:
+    fake_stack.decode.token_delay_s = 0.05
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, stream=True
+    )
+    async for _ in stream:
+        pass
+    metrics = await _metrics(fake_stack)
+    assert 'tandem_stream_longest_pause_seconds_count{band="standard"} 1.0' in metrics
+    [longest] = re.findall(
+        r'^tandem_stream_longest_pause_seconds_sum\{band="standard"\} (\S+)$', metrics, re.M
+    )
+    assert 0.04 <= float(longest) < 1.0  # one token delay, not the whole stream
 
 
 async def test_metrics_say_which_workers_served_and_what_the_hand_off_cost() -> None:
