@@ -6,6 +6,13 @@ until capacity frees, its deadline passes, it is shed, or its client leaves. Eve
 the queue is exactly one of: a slot (the request runs, then ``release``), an ``OverloadedError``
 (queue full, deadline, shutdown), or the waiter's own cancellation (the entry leaves at once).
 
+Order: the fair queue's (bands, with its starvation bound, then VTC). The head is admitted
+while in-flight is under its limit: capacity, plus ``interactive_headroom`` for interactive
+work. A lower-band head the queue made due (it waited ``max_band_skips`` pops) waits for the
+next regular slot (in-flight under capacity), which it gets: meanwhile interactive entries may
+still be admitted past it into the headroom, but at most the headroom's size of them, so an
+interactive storm that refills every freed slot cannot keep in-flight at capacity forever.
+
 Capacity comes from a ``CapacitySignal`` read whenever a slot frees, a request arrives, and
 every ``poll_interval_s`` (capacity can grow with no request finishing: a worker becomes
 healthy, KV cache drains). The same poll fails entries whose deadline passed, so deadlines are
@@ -92,15 +99,20 @@ class FixedCapacity:
 class AdmissionSlot:
     """The right to run one request. ``release`` it (or leave its ``with`` block) when the
     request ends; until then it holds one unit of capacity. ``queue_wait_s``: seconds it
-    spent in the admission queue (0 when admitted at once)."""
+    spent in the admission queue (0 when admitted at once). ``fair_position``: the tenant's
+    place in its band when granted (``FairQueue.position``; 0 = nobody active in the band is
+    less served)."""
 
-    __slots__ = ("_admitter", "_entry", "_released", "queue_wait_s")
+    __slots__ = ("_admitter", "_entry", "_released", "fair_position", "queue_wait_s")
 
-    def __init__(self, admitter: Admitter, entry: _Entry, queue_wait_s: float) -> None:
+    def __init__(
+        self, admitter: Admitter, entry: _Entry, queue_wait_s: float, fair_position: int
+    ) -> None:
         self._admitter = admitter
         self._entry = entry
         self._released = False
         self.queue_wait_s = queue_wait_s
+        self.fair_position = fair_position
 
     @property
     def tenant_id(self) -> str:
@@ -162,6 +174,8 @@ class Admitter:
         self._task: asyncio.Task[None] | None = None
         self._last_admitted_at = clock()
         self._mean_interval_s = 0.0
+        self._num_past_due = 0
+        """Interactive admissions past a due entry's head since the last other admission."""
 
     @property
     def num_queued(self) -> int:
@@ -232,7 +246,7 @@ class Admitter:
         self._dispatch()  # capacity may have grown since the last event: queue only if full
         if not self._fair and self._num_in_flight < self._limit(band, self._capacity.capacity()):
             self._fair.push(entry)
-            return self._grant(self._fair.pop(), now)
+            return self._grant(entry, now)
         if len(self._fair) >= self._config.max_queue:
             victim = self._fair.shed_for(tenant_id, band)
             retry_after_s = self._retry_after_s(now)
@@ -281,29 +295,46 @@ class Admitter:
 
     def _dispatch(self) -> None:
         """Admit queued entries, head first, while in-flight is under the head's limit:
-        capacity never idles while a request waits."""
+        capacity never idles while a request waits. A head over its limit is a lower band the
+        queue made due: it keeps its claim on the next regular slot, while the best interactive
+        entry may still take the headroom past it."""
         if not self._fair:
             return
         now = self._clock()
         capacity = self._capacity.capacity()
         while (entry := self._fair.peek()) is not None:
-            if self._num_in_flight >= self._limit(entry.band, capacity):
-                return
+            # Over its limit, the head is a due lower band (or the headroom is full).
+            past_due = self._num_in_flight >= self._limit(entry.band, capacity)
+            if past_due:
+                headroom = self._limit(PriorityBand.INTERACTIVE, capacity) - capacity
+                entry = self._fair.peek(PriorityBand.INTERACTIVE)
+                if (
+                    entry is None
+                    or self._num_in_flight >= capacity + headroom
+                    or self._num_past_due >= headroom
+                ):
+                    return
             if entry.payload.done():
                 # Its waiter was cancelled and has not run its cleanup yet: not charged.
                 self._fair.remove(entry)
             elif entry.deadline is not None and entry.deadline <= now:
                 self._fail(entry, self._deadline_error(now))
             else:
-                slot = self._grant(self._fair.pop(), now)
-                entry.payload.set_result(slot)
+                entry.payload.set_result(self._grant(entry, now, past_due=past_due))
 
-    def _grant(self, entry: _Entry, now: float) -> AdmissionSlot:
+    def _grant(self, entry: _Entry, now: float, *, past_due: bool = False) -> AdmissionSlot:
+        """Pop ``entry`` (the head of its band) and give it a slot; ``past_due``: an
+        interactive entry admitted into the headroom past a due entry."""
+        # Its tenant's place before its own prompt is charged: where it stood when chosen.
+        fair_position = self._fair.position(entry.tenant_id, entry.band)
+        popped = self._fair.pop(entry.band)
+        assert popped is entry, "granted an entry that is not the head of its band"
+        self._num_past_due = self._num_past_due + 1 if past_due else 0
         self._num_in_flight += 1
         interval = now - self._last_admitted_at
         self._mean_interval_s += _INTERVAL_EWMA_ALPHA * (interval - self._mean_interval_s)
         self._last_admitted_at = now
-        return AdmissionSlot(self, entry, queue_wait_s=now - entry.enqueued_at)
+        return AdmissionSlot(self, entry, now - entry.enqueued_at, fair_position)
 
     def _release(self, entry: _Entry) -> None:
         self._num_in_flight -= 1

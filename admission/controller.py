@@ -86,6 +86,12 @@ class Admission:
         """Time spent in the fair queue."""
         return self._slot.queue_wait_s
 
+    @property
+    def fair_position(self) -> int:
+        """The tenant's place in its band when admitted (0 = nobody active in the band is less
+        served): the engine priority's offset within the band."""
+        return self._slot.fair_position
+
     def headers(self) -> dict[str, str]:
         """``x-ratelimit-*`` as of the reservation (none when the store was bypassed)."""
         return ratelimit_headers(self._reservation.snapshot) if self._reservation else {}
@@ -182,6 +188,11 @@ class AdmissionController:
         return sum(
             1 for entry in self._admitter.fair_queue.entries() if entry.tenant_id == tenant_id
         )
+
+    def fairness_counter(self, tenant_id: str) -> float | None:
+        """The tenant's VTC counter in this replica's fair queue: weighted service / weight.
+        None when none is kept (never seen, or idle at its band's floor)."""
+        return self._admitter.fair_queue.counter(tenant_id)
 
     async def snapshot(self, tenant: Tenant) -> QuotaSnapshot:
         """The tenant's live quota state (raises ``StoreUnavailable``)."""

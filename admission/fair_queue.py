@@ -5,8 +5,17 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
 - Every tenant has one virtual counter: the weighted service it received divided by its weight.
   Service costs ``w_in * prompt_tokens`` (charged when the request is admitted, ``pop``) plus
   ``w_out * output_tokens`` (charged as they stream, ``charge_output``).
-- Bands are strict: a band is served only when every better band is empty. Fairness applies
-  within a band: the backlogged tenant with the smallest counter goes next, FIFO per tenant.
+- Bands come in order, with a starvation bound (``max_band_skips``, K). Each band counts the
+  pops that went to a better band while it had entries waiting; once a waiting band's count
+  reaches K it is *due*, and the next pop serves it (the best due band first). A band's count
+  resets when it is served or empties. K = 0 keeps bands strict: a band is served only when
+  every better band is empty (a steady interactive stream then starves the rest forever).
+  Bound (K >= 1, tight): a waiting band is served within K + 2 pops: K pops to better bands
+  until it falls due, meanwhile batch may jump standard once (when due itself), and once batch
+  is due a due standard goes first, once. Interactive is never skipped, so never due: it is
+  served within 3 pops (due standard and batch first). Within a band, VTC: the backlogged
+  tenant with the smallest counter goes next, FIFO per tenant, so a backlogged tenant's turn
+  comes within a few of its band's turns (one per tenant ahead when charges are alike).
 - Lift: when a tenant's queue in a band goes from empty to non-empty, its counter is raised to
   that band's *floor* (never lowered). The floor is the smallest counter among the tenants
   backlogged in the band, or, while the band is empty, the counter of the last tenant that
@@ -16,6 +25,12 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   with it, and a batch tenant's large counter must not push an interactive newcomer ahead.
 - Guarantee: two continuously backlogged tenants of one band differ in counter by at most about
   one (two, with concurrency) of the largest single charges.
+- Position (``position``): a tenant's place in its band when granted, 0 = no active tenant of
+  the band (queued there, or running requests admitted from it) has received less service.
+  The gateway carries it into the engine's priority, so the engine's own choices (its waiting
+  queue, which request to preempt) favour the tenant most under its fair share. It counts
+  running tenants too: VTC pops the smallest counter among the queued ones, so among those
+  alone the granted tenant would always be 0.
 - Memory: a tenant's counter is dropped once it is idle (nothing queued, nothing in service) and
   its counter is at or below its band's floor: it would be lifted to the floor on return anyway,
   and no output charge can arrive any more. The floor only rises, so a counter that is above it
@@ -29,7 +44,8 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   only grow: a float counts whole tokens exactly up to 2**53, centuries at any real rate.
 
 Costs: ``push``/``pop``/``charge_output`` are O(log n) over the band's backlogged tenants (lazy
-heaps, rebuilt when they grow stale); ``remove`` is O(tenant queue); ``expired`` is O(queue).
+heaps, rebuilt when they grow stale); ``remove`` is O(tenant queue); ``expired`` is O(queue);
+``position`` is O(the band's active tenants).
 """
 
 from __future__ import annotations
@@ -59,16 +75,25 @@ it, theirs are dropped (they would be lifted on return anyway). Tracked tenants'
 
 @dataclass(frozen=True, slots=True)
 class FairQueueConfig:
-    """Weights of the VTC cost function (the paper charges output twice as much as prompt)."""
+    """Weights of the VTC cost function (the paper charges output twice as much as prompt) and
+    the starvation bound across bands."""
 
     w_in: float = 1.0
     """Cost of one prompt token."""
     w_out: float = 2.0
     """Cost of one output token."""
+    max_band_skips: int = 8
+    """Pops that may go to better bands while a band waits; the next one serves it (see the
+    module docstring). 0: strict bands, a lower band waits until every better one is empty."""
 
     def __post_init__(self) -> None:
         if self.w_in < 0 or self.w_out < 0:
             raise ValueError("FairQueueConfig: w_in and w_out must be >= 0")
+        if self.max_band_skips < 0:
+            raise ValueError(
+                "FairQueueConfig.max_band_skips must be >= 0 (0: strict bands), "
+                f"got {self.max_band_skips}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +163,10 @@ class _Band(Generic[P]):
     queues: dict[str, deque[QueueEntry[P]]] = field(default_factory=dict)
     """Backlogged tenants only: a queue is deleted when it empties."""
     num_entries: int = 0
+    serving: dict[str, int] = field(default_factory=dict)
+    """Requests popped from this band and not yet finished, per tenant (absent: none)."""
+    num_skips: int = 0
+    """Pops that went to a better band since this band was last served or empty."""
     # Lazy heaps of (counter, seq, tenant): an item is live while its tenant is backlogged here
     # and its counter is unchanged; every counter change pushes a fresh item.
     by_min: list[tuple[float, int, str]] = field(default_factory=list)
@@ -181,6 +210,18 @@ class FairQueue(Generic[P]):
         top = self._live_top(b.by_min, b, sign=1.0)
         return top[0] if top is not None else b.last_floor
 
+    def position(self, tenant_id: str, band: PriorityBand) -> int:
+        """How many other tenants active in ``band`` (queued there, or running requests popped
+        from it) have a strictly smaller counter than ``tenant_id``: 0 = none is less served."""
+        b = self._bands[band]
+        state = self._tenants.get(tenant_id)
+        mine = state.counter if state is not None else self.floor(band)
+        return sum(
+            1
+            for other in b.queues.keys() | b.serving.keys()
+            if other != tenant_id and self._tenants[other].counter < mine
+        )
+
     def entries(self) -> Iterator[QueueEntry[P]]:
         """Every queued entry, best band first (tenants in no particular order)."""
         for band in self._bands.values():
@@ -216,21 +257,33 @@ class FairQueue(Generic[P]):
         queue.append(entry)
         band.num_entries += 1
 
-    def peek(self) -> QueueEntry[P] | None:
-        """The entry ``pop`` would return, without charging anyone."""
-        for band in self._bands.values():
-            top = self._live_top(band.by_min, band, sign=1.0)
-            if top is not None:
-                return band.queues[top[2]][0]
+    def peek(self, band: PriorityBand | None = None) -> QueueEntry[P] | None:
+        """The entry ``pop(band)`` would return, without charging anyone."""
+        if band is not None:
+            return self._head(self._bands[band])
+        due = self._config.max_band_skips
+        for b in self._bands.values():
+            if due and b.num_entries and b.num_skips >= due:
+                return self._head(b)  # the best band that waited its K pops
+        for b in self._bands.values():
+            if b.num_entries:
+                return self._head(b)
         return None
 
-    def pop(self) -> QueueEntry[P]:
-        """Admit the next entry: best band first, then the smallest counter, FIFO per tenant.
-        Charges its prompt; the caller must ``finish`` it when the request ends."""
-        entry = self.peek()
+    def pop(self, band: PriorityBand | None = None) -> QueueEntry[P]:
+        """Admit the next entry: the best due band, else the best band (``band``: that band,
+        e.g. interactive work using headroom past a due entry); then the smallest counter, FIFO
+        per tenant. Charges its prompt; the caller must ``finish`` it when the request ends."""
+        entry = self.peek(band)
         if entry is None:
             raise IndexError("pop from an empty FairQueue")
         self._take(entry)
+        served = self._bands[entry.band]
+        served.num_skips = 0
+        for b in self._bands.values():
+            if b.name.rank > entry.band.rank and b.num_entries:
+                b.num_skips += 1
+        served.serving[entry.tenant_id] = served.serving.get(entry.tenant_id, 0) + 1
         state = self._tenants[entry.tenant_id]
         state.in_service += 1
         self._charge(entry.tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
@@ -260,9 +313,13 @@ class FairQueue(Generic[P]):
     def finish(self, entry: QueueEntry[P]) -> None:
         """The popped ``entry``'s request ended: no more charges will come for it."""
         state = self._tenants.get(entry.tenant_id)
-        if state is None or state.in_service == 0:
+        serving = self._bands[entry.band].serving
+        if state is None or state.in_service == 0 or entry.tenant_id not in serving:
             raise ValueError(f"finish() of tenant {entry.tenant_id!r} without a matching pop()")
         state.in_service -= 1
+        serving[entry.tenant_id] -= 1
+        if not serving[entry.tenant_id]:
+            del serving[entry.tenant_id]
         self._maybe_idle(entry.tenant_id, state)
 
     # -- sharing counters across replicas --------------------------------------------------
@@ -354,9 +411,16 @@ class FairQueue(Generic[P]):
         else:
             queue.remove(entry)  # identity: QueueEntry compares with eq=False
         band.num_entries -= 1
+        if not band.num_entries:
+            band.num_skips = 0  # its wait is over: a later entry starts counting afresh
         self._tenants[entry.tenant_id].queued -= 1
         if not queue:
             del band.queues[entry.tenant_id]
+
+    def _head(self, band: _Band[P]) -> QueueEntry[P] | None:
+        """The band's next entry: its smallest-counter tenant's oldest."""
+        top = self._live_top(band.by_min, band, sign=1.0)
+        return band.queues[top[2]][0] if top is not None else None
 
     def _left_queue(self, entry: QueueEntry[P]) -> None:
         """After ``entry`` left its queue (popped, and charged, or removed)."""

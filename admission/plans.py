@@ -9,7 +9,9 @@ from core.moderation import ModerationPolicy
 
 
 class PriorityBand(enum.StrEnum):
-    """Admission bands, served strictly in this order; fairness applies within a band."""
+    """Admission bands, served in this order (a waiting band is still served after a bounded
+    number of admissions to better ones: ``FairQueueConfig.max_band_skips``); fairness applies
+    within a band."""
 
     INTERACTIVE = "interactive"
     STANDARD = "standard"
@@ -20,15 +22,22 @@ class PriorityBand(enum.StrEnum):
         """0 is served first and shed last."""
         return _BAND_RANK[self]
 
-    @property
-    def engine_priority(self) -> int:
-        """The ``priority`` vLLM's priority scheduling gets for this band (lower is scheduled
-        first, and may preempt higher): interactive work joins the engine's batch ahead of
-        standard and batch work, not just ahead of them in the gateway's queue."""
-        return _BAND_RANK[self] - _BAND_RANK[PriorityBand.STANDARD]
+    def engine_priority(self, position: int = 0) -> int:
+        """The ``priority`` vLLM's priority scheduling gets for a request of this band (lower
+        is scheduled first; under KV pressure the highest is preempted first): interactive
+        -100, standard 0, batch 100, plus the tenant's fair ``position`` in its band when
+        admitted (``FairQueue.position``, capped at 99 so bands never overlap). Interactive work
+        joins the engine's batch ahead of standard and batch work, and within a band the
+        engine favours the tenant most under its fair share."""
+        if position < 0:
+            raise ValueError(f"engine_priority: position must be >= 0, got {position}")
+        offset = _ENGINE_BAND_STEP * (_BAND_RANK[self] - _BAND_RANK[PriorityBand.STANDARD])
+        return offset + min(position, _ENGINE_BAND_STEP - 1)
 
 
 _BAND_RANK = {PriorityBand.INTERACTIVE: 0, PriorityBand.STANDARD: 1, PriorityBand.BATCH: 2}
+_ENGINE_BAND_STEP = 100
+"""Engine priorities between two bands: positions 0-99 within one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,24 @@
 """Noisy neighbours: does a light, latency-sensitive tenant keep its TTFT while two weighted
 tenants flood the engine, and do the two get served in their weights' ratio?
 
-Against a running gateway (``tandem up``; run it with ``TANDEM_MAX_IN_FLIGHT_PER_WORKER=8`` for
-the figures in issue 19), with its admin key. Three tenants are created with fresh names:
-``heavy-w1`` (weight 1), ``heavy-w3`` (weight 3), and ``light`` in ``--light-band``. Phase 1
-measures the light tenant alone (``--light-rate`` short chat requests a second); phase 2 repeats
-that while each heavy tenant keeps ``--streams`` streams open. It prints one table row:
+Against a running gateway (``tandem up``) with its admin key. Three tenants are created with
+fresh names: ``heavy-w1`` (weight 1), ``heavy-w3`` (weight 3), and ``light`` in
+``--light-band``. Phase 1 measures the light tenant alone (``--light-rate`` short streamed chat
+requests a second); phase 2 repeats that while each heavy tenant keeps ``--streams`` streams
+open back to back. Issue 19's figures come from ``tandem up`` run with
+``TANDEM_MAX_IN_FLIGHT_PER_WORKER=8`` and ``TANDEM_QUEUE_TIMEOUT_S=300`` (at its 1/4 share of 8
+slots, the weight-1 tenant's 24 streams each queue about a minute; a shorter queue timeout turns
+its backlog into 503s, which is the timeout working, not unfairness).
 
-    weight-3 : weight-1 served tokens (prompt + 2 x output) | light TTFT p50/p95 unloaded | flooded
+Served tokens are counted as they stream, inside the measured window only: a request's prompt
+when its first chunk lands in the window, plus 2 x each output chunk that lands in it (the VTC
+cost: output weighs twice a prompt token), with chunk sizes from the request's final usage. So
+requests cut by the window's edges count for what they received inside it.
+
+The profile says where the light tenant's TTFT goes under the flood: the gateway's own split by
+band (queue wait, TTFT), the workers' (vLLM's queue time, prefill time, time per output token,
+preemptions) over the same window, and each process's CPU use (the machine's cores are shared
+by the gateway, the workers and this load generator).
 
     .venv/bin/python -m bench.noisy_neighbours --admin-key KEY --light-band interactive
 """
@@ -16,35 +27,98 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import sys
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
 import openai
+import psutil
 from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
 
 LIGHT_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name one colour."}]
 HEAVY_QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Write a short story about a lighthouse keeper. " * 4}
 ]
+W_OUT = 2  # VTC's output weight (admission.fair_queue.FairQueueConfig.w_out)
 
 
 @dataclass
-class Served:
-    """What a tenant got in the flood window."""
+class StreamRecord:
+    """One heavy request as the client saw it."""
 
-    tokens: int = 0
-    """Prompt + 2 x output tokens of requests that completed (the VTC cost weighting)."""
+    response_id: str | None = None
+    chunk_at: list[float] = field(default_factory=list)
+    """perf_counter() of every chunk that carried content."""
+    prompt_tokens: int = 0
+    completion_tokens: int | None = None
+    """From the final usage chunk; None when the stream ended without one."""
+
+    def served_in(self, start: float, end: float) -> float:
+        """Prompt + W_OUT x output tokens that reached the client within [start, end)."""
+        if not self.chunk_at:
+            return 0.0
+        per_chunk = (self.completion_tokens or len(self.chunk_at)) / len(self.chunk_at)
+        inside = sum(1 for t in self.chunk_at if start <= t < end)
+        prompt = self.prompt_tokens if start <= self.chunk_at[0] < end else 0
+        return prompt + W_OUT * per_chunk * inside
+
+
+@dataclass
+class TenantLoad:
+    """What one heavy tenant sent and got."""
+
+    streams: list[StreamRecord] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def served_in(self, start: float, end: float) -> float:
+        return sum(stream.served_in(start, end) for stream in self.streams)
+
+
+@dataclass
+class LightLoad:
+    """The light tenant's requests: TTFTs of those that succeeded, errors by kind."""
+
+    ttfts_s: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def _percentile(values: list[float], q: float) -> float:
+@dataclass(frozen=True)
+class FloodResult:
+    """One run: the light tenant unloaded and flooded, the heavy tenants' service."""
+
+    unloaded: LightLoad
+    flooded: LightLoad
+    heavy: dict[str, TenantLoad]
+    window_s: float
+    served: dict[str, float]
+    """Tokens (prompt + 2 x output) each heavy tenant received in the measured window."""
+    profile: dict[str, str]
+
+    @property
+    def ratio(self) -> float:
+        """Weight-3 : weight-1 served tokens."""
+        return self.served["w3"] / self.served["w1"] if self.served["w1"] else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN for no values)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _kind(exc: openai.APIError) -> str:
+    return str(exc.status_code) if isinstance(exc, openai.APIStatusError) else type(exc).__name__
 
 
 async def _new_tenant(admin: httpx.AsyncClient, name: str, **plan: object) -> str:
@@ -55,39 +129,44 @@ async def _new_tenant(admin: httpx.AsyncClient, name: str, **plan: object) -> st
     return str(issued.json()["key"])
 
 
-async def _ttft_s(client: openai.AsyncOpenAI, model: str) -> float | None:
-    """One short streamed chat; seconds to its first content token (None on an error)."""
+async def _light_request(client: openai.AsyncOpenAI, model: str, load: LightLoad) -> None:
+    """One short streamed chat: its time to the first content token."""
     started = time.perf_counter()
+    first: float | None = None
     try:
         stream = await client.chat.completions.create(
             model=model, messages=LIGHT_QUESTION, max_tokens=8, temperature=0, stream=True
         )
-        first: float | None = None
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - started
-        return first
-    except openai.APIError:
-        return None
+    except openai.APIError as exc:
+        load.errors[_kind(exc)] = load.errors.get(_kind(exc), 0) + 1
+        return
+    if first is not None:
+        load.ttfts_s.append(first)
 
 
-async def _light(
+async def light_phase(
     client: openai.AsyncOpenAI, model: str, rate: float, duration_s: float
-) -> list[float]:
-    """``rate`` requests a second (open loop) for ``duration_s``; their TTFTs."""
-    tasks: list[asyncio.Task[float | None]] = []
+) -> LightLoad:
+    """``rate`` requests a second (open loop) for ``duration_s``."""
+    load = LightLoad()
+    tasks: list[asyncio.Task[None]] = []
     deadline = time.perf_counter() + duration_s
     while time.perf_counter() < deadline:
-        tasks.append(asyncio.create_task(_ttft_s(client, model)))
+        tasks.append(asyncio.create_task(_light_request(client, model, load)))
         await asyncio.sleep(1.0 / rate)
-    return [t for t in await asyncio.gather(*tasks) if t is not None]
+    await asyncio.gather(*tasks)
+    return load
 
 
 async def _heavy_stream(
-    client: openai.AsyncOpenAI, model: str, output_tokens: int, until: float, served: Served
+    client: openai.AsyncOpenAI, model: str, output_tokens: int, until: float, load: TenantLoad
 ) -> None:
     """One closed-loop stream: requests back to back until ``until``."""
     while time.perf_counter() < until:
+        record = StreamRecord()
         try:
             stream = await client.chat.completions.create(
                 model=model,
@@ -97,66 +176,288 @@ async def _heavy_stream(
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            usage = None
+            load.streams.append(record)
             async for chunk in stream:
-                usage = chunk.usage or usage
-            if usage is not None and time.perf_counter() < until:
-                served.tokens += usage.prompt_tokens + 2 * usage.completion_tokens
-        except openai.APIStatusError as exc:
-            served.errors[str(exc.status_code)] = served.errors.get(str(exc.status_code), 0) + 1
-            await asyncio.sleep(0.5)
+                record.response_id = chunk.id
+                if chunk.choices and chunk.choices[0].delta.content:
+                    record.chunk_at.append(time.perf_counter())
+                if chunk.usage is not None:
+                    record.prompt_tokens = chunk.usage.prompt_tokens
+                    record.completion_tokens = chunk.usage.completion_tokens
         except openai.APIError as exc:
-            served.errors[type(exc).__name__] = served.errors.get(type(exc).__name__, 0) + 1
+            load.error(_kind(exc))
             await asyncio.sleep(0.5)
 
 
-async def run(args: argparse.Namespace) -> None:
-    base = args.base_url.rstrip("/")
+async def flood(
+    base_url: str,
+    admin_key: str,
+    model: str,
+    *,
+    light_band: str = "interactive",
+    light_rate: float = 1.0,
+    streams: int = 24,
+    output_tokens: int = 48,
+    duration_s: float = 60.0,
+    warmup_s: float = 20.0,
+) -> FloodResult:
+    """Create the three tenants, run both phases, and measure (module docstring)."""
+    base = base_url.rstrip("/")
     suffix = uuid.uuid4().hex[:6]
     async with httpx.AsyncClient(
-        base_url=base, headers={"Authorization": f"Bearer {args.admin_key}"}, timeout=10
+        base_url=base, headers={"Authorization": f"Bearer {admin_key}"}, timeout=10
     ) as admin:
+        names = {"w1": f"heavy-w1-{suffix}", "w3": f"heavy-w3-{suffix}"}
+        # A concurrency limit nobody reaches: the quota store then counts each tenant's
+        # requests held (in flight + queued), which the occupancy samples read.
         keys = {
-            "w1": await _new_tenant(admin, f"heavy-w1-{suffix}", weight=1),
-            "w3": await _new_tenant(admin, f"heavy-w3-{suffix}", weight=3),
-            "light": await _new_tenant(admin, f"light-{suffix}", band=args.light_band),
+            "w1": await _new_tenant(admin, names["w1"], weight=1, max_concurrent=10_000),
+            "w3": await _new_tenant(admin, names["w3"], weight=3, max_concurrent=10_000),
+            "light": await _new_tenant(admin, f"light-{suffix}", band=light_band),
         }
+        workers = [w["url"] for w in (await admin.get("/ready")).json()["workers"]]
+        result = await _flood(
+            base, admin, names, keys, workers, model, light_band, light_rate, streams,
+            output_tokens, duration_s, warmup_s,
+        )  # fmt: skip
+    return result
+
+
+async def _flood(
+    base: str,
+    admin: httpx.AsyncClient,
+    names: dict[str, str],
+    keys: dict[str, str],
+    workers: list[str],
+    model: str,
+    light_band: str,
+    light_rate: float,
+    streams: int,
+    output_tokens: int,
+    duration_s: float,
+    warmup_s: float,
+) -> FloodResult:
+    # The heavy streams may queue for minutes by design; the SDK must not give up first.
     clients = {
         name: openai.AsyncOpenAI(
-            base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=args.duration_s + 120
+            base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=duration_s + 600
         )
         for name, key in keys.items()
     }
-    unloaded = await _light(clients["light"], args.model, args.light_rate, args.duration_s)
-    served = {"w1": Served(), "w3": Served()}
-    until = time.perf_counter() + args.warmup_s + args.duration_s
-    heavy = [
-        asyncio.create_task(
-            _heavy_stream(clients[name], args.model, args.output_tokens, until, served[name])
-        )
+    unloaded = await light_phase(clients["light"], model, light_rate, duration_s)
+    heavy = {"w1": TenantLoad(), "w3": TenantLoad()}
+    until = time.perf_counter() + warmup_s + duration_s
+    # Interleaved, so that neither tenant takes every free slot before the other arrives (VTC
+    # would then serve the other alone until their counters meet: correct, but not the steady
+    # state this measures).
+    tasks = [
+        asyncio.create_task(_heavy_stream(clients[name], model, output_tokens, until, heavy[name]))
+        for _ in range(streams)
         for name in ("w1", "w3")
-        for _ in range(args.streams)
     ]
-    await asyncio.sleep(args.warmup_s)  # the flood reaches its steady state first
-    for tenant in served.values():
-        tenant.tokens = 0
-    flooded = await _light(clients["light"], args.model, args.light_rate, args.duration_s)
-    await asyncio.gather(*heavy)
-    ratio = served["w3"].tokens / served["w1"].tokens if served["w1"].tokens else float("nan")
+    await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
+    async with Profiler(base, workers) as profiler:
+        start = time.perf_counter()
+        occupancy = asyncio.create_task(_sample_occupancy(admin, names))
+        flooded = await light_phase(clients["light"], model, light_rate, duration_s)
+        end = time.perf_counter()
+        occupancy.cancel()
+        samples = await occupancy
+    await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
+    served = {name: load.served_in(start, end) for name, load in heavy.items()}
+    for client in clients.values():
+        await client.close()
+    profile = dict(profiler.report)
+    for name, (in_flight, queued) in samples.items():
+        profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
+            f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
+        )
+    return FloodResult(unloaded, flooded, heavy, end - start, served, profile)
+
+
+async def _sample_occupancy(
+    admin: httpx.AsyncClient, names: dict[str, str]
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Each heavy tenant's requests in flight and queued, once a second, until cancelled: both
+    must stay backlogged for the weighted share to mean anything."""
+    samples: dict[str, tuple[list[int], list[int]]] = {name: ([], []) for name in names}
+    try:
+        while True:
+            for name, tenant in names.items():
+                usage = (await admin.get(f"/admin/v1/tenants/{tenant}/usage")).json()
+                queued = int(usage["queued_here"])
+                samples[name][0].append(int(usage["concurrent"]) - queued)
+                samples[name][1].append(queued)
+            await asyncio.sleep(1.0)
+    except asyncio.CancelledError:
+        return samples
+
+
+# -- the profile --------------------------------------------------------------------------------
+
+_GATEWAY_HISTOGRAMS = {
+    "tandem_queue_wait_seconds": "gateway queue wait",
+    "tandem_time_to_first_token_seconds": "gateway TTFT",
+    "tandem_stream_longest_pause_seconds": "longest pause in a stream",
+}
+_WORKER_HISTOGRAMS = {
+    "vllm:request_queue_time_seconds": "vLLM queue time",
+    "vllm:request_prefill_time_seconds": "vLLM prefill time",
+    "vllm:time_to_first_token_seconds": "vLLM TTFT",
+    "vllm:request_time_per_output_token_seconds": "vLLM time per output token",
+}
+_WORKER_COUNTERS = {"vllm:num_preemptions_total": "vLLM preemptions"}
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            if sample.name.endswith(("_sum", "_count", "_total")):
+                key = (sample.name, labels)
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _means(
+    before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    after: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    names: dict[str, str],
+    keep: Iterable[str],
+) -> dict[str, str]:
+    """Mean of each histogram over the window (delta sum / delta count), per label set."""
+    report: dict[str, str] = {}
+    for (name, labels), count in after.items():
+        base = name.removesuffix("_count")
+        if not name.endswith("_count") or base not in names:
+            continue
+        delta_count = count - before.get((name, labels), 0.0)
+        if delta_count <= 0:
+            continue
+        delta_sum = after[(f"{base}_sum", labels)] - before.get((f"{base}_sum", labels), 0.0)
+        shown = ",".join(f"{k}={v}" for k, v in labels if k in keep)
+        report[f"{names[base]} {{{shown}}}"] = (
+            f"mean {1000 * delta_sum / delta_count:.0f} ms over {delta_count:.0f}"
+        )
+    return report
+
+
+class Profiler:
+    """Metrics and CPU use over a window: ``async with Profiler(...) as p: ...; p.report``."""
+
+    def __init__(self, gateway: str, workers: list[str]) -> None:
+        self._gateway = gateway
+        self._workers = workers
+        self._http = httpx.AsyncClient(timeout=10)
+        self._before: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        self._cpu_before: dict[int, tuple[str, float]] = {}
+        self._started = 0.0
+        self.report: dict[str, str] = {}
+
+    async def _scrape(self) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+        urls = [self._gateway, *self._workers]
+        texts = await asyncio.gather(*(self._http.get(f"{url}/metrics") for url in urls))
+        return {url: _samples(text.text) for url, text in zip(urls, texts, strict=True)}
+
+    async def __aenter__(self) -> Profiler:
+        self._before = await self._scrape()
+        self._cpu_before = _cpu_times()
+        self._started = time.perf_counter()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        elapsed = time.perf_counter() - self._started
+        cpu_after = _cpu_times()
+        after = await self._scrape()
+        await self._http.aclose()
+        report = _means(
+            self._before[self._gateway], after[self._gateway], _GATEWAY_HISTOGRAMS, ("band",)
+        )
+        for url in self._workers:
+            port = url.rsplit(":", 1)[-1]
+            for label, value in _means(
+                self._before[url], after[url], _WORKER_HISTOGRAMS, ()
+            ).items():
+                report[f"{label.removesuffix(' {}')} (worker :{port})"] = value
+            for (name, _), total in after[url].items():
+                if name in _WORKER_COUNTERS:
+                    delta = total - sum(v for (n, _), v in self._before[url].items() if n == name)
+                    report[f"{_WORKER_COUNTERS[name]} (worker :{port})"] = f"{delta:.0f}"
+        busy: dict[str, float] = {}
+        for pid, (name, seconds) in cpu_after.items():
+            spent = seconds - self._cpu_before.get(pid, (name, seconds))[1]
+            busy[name] = busy.get(name, 0.0) + spent
+        cores = psutil.cpu_count() or 1
+        for name, seconds in sorted(busy.items(), key=lambda item: -item[1]):
+            if seconds / elapsed >= 0.01:
+                report[f"CPU {name}"] = f"{seconds / elapsed:.2f} cores of {cores}"
+        self.report = report
+
+
+def _cpu_times() -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by each process of the stack and by this load generator."""
+    out: dict[int, tuple[str, float]] = {}
+    me = psutil.Process()
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            name = _role(proc, me)
+            if name is not None:
+                times = proc.cpu_times()
+                out[proc.pid] = (name, times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def _role(proc: psutil.Process, me: psutil.Process) -> str | None:
+    """Which part of the stack a process is, by its command line or its parent's."""
+    if proc.pid == me.pid:
+        return "load generator (this bench)"
+    cmdline = " ".join(proc.info.get("cmdline") or [])
+    if "tandem up" in cmdline or cmdline.endswith("tandem up"):
+        return "gateway (tandem up)"
+    for candidate in (proc, *proc.parents()):
+        text = " ".join(candidate.cmdline())
+        if "vllm" in text and "--port" in text:
+            port = text.split("--port", 1)[1].split()[0]
+            return f"vLLM worker :{port} ({'API server' if candidate is proc else 'engine'})"
+    return None
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def print_result(result: FloodResult, light_band: str) -> None:
+    """The issue-19 table row, the heavy tenants' errors, and the profile."""
+    un, fl = result.unloaded.ttfts_s, result.flooded.ttfts_s
     print(
         "| light band | w3:w1 served tokens | light TTFT unloaded p50 / p95 "
-        "| under the flood p50 / p95 | light ok (unloaded, flood) | heavy errors |"
+        "| under the flood p50 / p95 | p95 flooded / unloaded | light ok (unloaded, flood) |"
     )
     print("|---|---|---|---|---|---|")
     print(
-        f"| {args.light_band} | {ratio:.2f} "
-        f"| {1000 * statistics.median(unloaded):.0f} / {1000 * _percentile(unloaded, 0.95):.0f} ms "
-        f"| {1000 * statistics.median(flooded):.0f} / {1000 * _percentile(flooded, 0.95):.0f} ms "
-        f"| {len(unloaded)}, {len(flooded)} | w1 {served['w1'].errors} w3 {served['w3'].errors} |"
+        f"| {light_band} | {result.ratio:.2f} "
+        f"| {1000 * statistics.median(un):.0f} / {1000 * percentile(un, 0.95):.0f} ms "
+        f"| {1000 * statistics.median(fl):.0f} / {1000 * percentile(fl, 0.95):.0f} ms "
+        f"| {percentile(fl, 0.95) / percentile(un, 0.95):.2f} "
+        f"| {len(un)}, {len(fl)} |"
     )
+    print()
+    for name, load in result.heavy.items():
+        print(
+            f"heavy {name}: {len(load.streams)} requests, "
+            f"{result.served[name]:.0f} tokens served in the {result.window_s:.0f} s window, "
+            f"errors {load.errors or 'none'}"
+        )
+    print(f"light errors: unloaded {result.unloaded.errors or 'none'}, "
+          f"flooded {result.flooded.errors or 'none'}")  # fmt: skip
+    print("\nprofile over the measured window:")
+    for label, value in result.profile.items():
+        print(f"  {label}: {value}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--admin-key", required=True)
@@ -168,8 +469,31 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=24, help="open streams per heavy tenant")
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--duration-s", type=float, default=60.0, help="each measured phase")
-    p.add_argument("--warmup-s", type=float, default=10.0, help="flood before measuring")
-    asyncio.run(run(p.parse_args()))
+    p.add_argument("--warmup-s", type=float, default=20.0, help="flood before measuring")
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = p.parse_args(argv)
+    result = asyncio.run(
+        flood(
+            args.base_url, args.admin_key, args.model,
+            light_band=args.light_band, light_rate=args.light_rate, streams=args.streams,
+            output_tokens=args.output_tokens, duration_s=args.duration_s,
+            warmup_s=args.warmup_s,
+        )
+    )  # fmt: skip
+    print_result(result, args.light_band)
+    if args.json:
+        un, fl = result.unloaded.ttfts_s, result.flooded.ttfts_s
+        figures = {
+            "light_band": args.light_band,
+            "ratio": result.ratio,
+            "unloaded_p50_ms": 1000 * statistics.median(un),
+            "unloaded_p95_ms": 1000 * percentile(un, 0.95),
+            "flooded_p50_ms": 1000 * statistics.median(fl),
+            "flooded_p95_ms": 1000 * percentile(fl, 0.95),
+            "heavy_errors": {name: load.errors for name, load in result.heavy.items()},
+        }
+        json.dump(figures, sys.stdout)
+        print()
 
 
 if __name__ == "__main__":

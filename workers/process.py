@@ -65,8 +65,13 @@ class LaunchConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """vLLM's waiting-queue order (``--scheduling-policy``). ``priority`` serves each request by
     the ``priority`` the gateway gives it (its tenant's band: lower first) and preempts
-    lower-priority running requests for it; ``fcfs`` is vLLM's default (arrival order, and any
-    priority other than 0 is refused)."""
+    lower-priority running requests for it; ``fcfs`` is vLLM's default (arrival order; vLLM
+    0.32 accepts a ``priority`` there and ignores it)."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens one engine step computes (``--max-num-batched-tokens``); None keeps vLLM's
+    (2048 on CPU). A step runs every running stream's next token plus chunks of new prompts, so
+    this bounds how long one prompt's prefill can hold up every stream's next token and a
+    newcomer's first one; smaller trades prefill throughput for steadier latency."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
     extra_args: tuple[str, ...] = ()
@@ -155,6 +160,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--dtype", launch.dtype]
     argv += ["--shutdown-timeout", str(launch.shutdown_timeout_s)]
     argv += ["--scheduling-policy", launch.scheduling_policy]
+    if launch.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(launch.max_num_batched_tokens)]
     # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
     # cached price.
     argv.append("--enable-prompt-tokens-details")

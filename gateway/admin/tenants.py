@@ -212,7 +212,8 @@ async def tenant_usage(
     controller: ControllerDep,
 ) -> dict[str, Any]:
     """Live quota state: limits, what remains now, when buckets are full again, requests in
-    flight (all replicas) and queued (this replica)."""
+    flight (all replicas), queued (this replica), and its VTC fairness counter (this replica;
+    null at its band's floor)."""
     current = await resolve_tenant(registry, tenant)
     snapshot = await store_call(controller.snapshot(current))
     return {
@@ -231,6 +232,7 @@ async def tenant_usage(
         },
         "concurrent": snapshot.concurrent,
         "queued_here": controller.num_queued(current.tenant_id),
+        "fairness_counter_here": controller.fairness_counter(current.tenant_id),
     }
 
 

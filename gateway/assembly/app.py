@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from admission.admitter import AdmissionConfig, Admitter
 from admission.controller import AdmissionController, ControllerConfig
+from admission.fair_queue import FairQueueConfig
 from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenizerCounter
 from billing.cost import CostMeter, WorkerCost
@@ -73,6 +74,9 @@ class AccessConfig:
     interactive_headroom: float = 0.0
     """Interactive-band requests may be admitted past that capacity by this fraction of it
     (``AdmissionConfig.interactive_headroom``)."""
+    max_band_skips: int = 8
+    """Admissions in a row better bands may take while a band waits; the next serves it
+    (``FairQueueConfig.max_band_skips``; 0: strict bands)."""
     gate: GateConfig = field(default_factory=GateConfig)
     """Queue deadline."""
     tokenizer_dir: Path | None = None
@@ -257,6 +261,7 @@ async def _admitter(
             interactive_headroom=access.interactive_headroom,
         ),
         DecodeCapacity(decode, access.max_in_flight_per_worker),
+        FairQueueConfig(max_band_skips=access.max_band_skips),
     )
     await admitter.start()
     resources.push_async_callback(admitter.aclose)

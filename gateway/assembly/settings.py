@@ -96,6 +96,16 @@ class TandemSettings(BaseSettings):
     disaggregate_min_prompt_tokens: int = Field(256, ge=0)
     """Prompts estimated shorter than this run colocated on a decode worker (0: always split).
     Splitting adds a hop and a KV transfer to time to first token; short prompts gain nothing."""
+    interference_budget: int = Field(0, ge=0)
+    """Split a prompt under ``disaggregate_min_prompt_tokens`` anyway once prompt tokens x the
+    requests in flight on its decode worker reach this (the token-streams its colocated prefill
+    would stall); 0: never. Off by default: on the 2-core CPU machine split legs under a flood
+    ran slower than the stalls they avoid (docs/ARCHITECTURE.md, noisy neighbours)."""
+    decode_step_tokens: int = Field(64, ge=0)
+    """Decode workers' token budget per engine step (vLLM's ``--max-num-batched-tokens``; 0
+    keeps vLLM's, 2048 on CPU): bounds how long a colocated prompt's prefill holds up every running
+    stream and a newcomer's first token. 64 fits a short chat prompt plus the running streams'
+    next tokens in one step. Prefill workers keep vLLM's default."""
     decode_first_byte_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for a decode stream's first token (KV transfer included); past it the
     request is re-run colocated on a decode worker."""
@@ -144,12 +154,17 @@ class TandemSettings(BaseSettings):
     (rounded up; none while every decode worker is KV-full): they join the engine at once and
     priority scheduling runs them first, instead of waiting for a slot behind batch work. 0
     admits every band by the same cap."""
+    max_band_skips: int = Field(8, ge=0)
+    """Starvation bound across bands: a waiting band is served once this many admissions in a
+    row went to better bands (standard and batch progress through an interactive storm). 0
+    keeps bands strict: a lower band waits until every better one is empty."""
     engine_priority: bool = True
-    """Carry each tenant's band into vLLM as the request's ``priority`` (interactive -1,
-    standard 0, batch 1) on both legs, with managed workers run ``--scheduling-policy
-    priority``: interactive work is scheduled first inside the engine and may preempt batch
-    work. External workers must run that policy too (vLLM refuses a non-zero priority
-    otherwise), or set this to false."""
+    """Carry each tenant's band into vLLM as the request's ``priority`` (interactive -100,
+    standard 0, batch 100, plus the tenant's fair position in its band, so the least served
+    goes first) on both legs, with managed workers run ``--scheduling-policy priority``:
+    interactive work is scheduled first inside the engine and may preempt batch work. External
+    workers must run that policy too for it to matter (under vLLM's ``fcfs`` the priority is
+    accepted and ignored); false sends none."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
 

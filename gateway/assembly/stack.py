@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -143,7 +143,7 @@ class Stack:
                 settings,
                 WorkerRole.DECODE,
                 decode_worker_specs(
-                    launch,
+                    replace(launch, max_num_batched_tokens=settings.decode_step_tokens or None),
                     num_workers=settings.num_decode_workers,
                     base_port=settings.decode_base_port,
                     # Side channels of all workers on a host must differ: decode ones follow.
@@ -205,7 +205,10 @@ class Stack:
             deadlines=DeadlineConfig(
                 default_s=settings.request_timeout_s, max_s=settings.max_request_timeout_s
             ),
-            decider=DeciderConfig(min_prompt_tokens=settings.disaggregate_min_prompt_tokens),
+            decider=DeciderConfig(
+                min_prompt_tokens=settings.disaggregate_min_prompt_tokens,
+                interference_budget=settings.interference_budget,
+            ),
             connector=connector_config(settings),
             access=access_config(settings, self.model_dir),
             moderation=moderation_setup(settings),
@@ -268,6 +271,7 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         max_queue=settings.max_queue,
         max_in_flight_per_worker=settings.max_in_flight_per_worker,
         interactive_headroom=settings.interactive_headroom,
+        max_band_skips=settings.max_band_skips,
         gate=GateConfig(
             queue_timeout_s=settings.queue_timeout_s, engine_priority=settings.engine_priority
         ),

@@ -178,7 +178,7 @@ class RequestFlow:
                 admission = await self._admit(caller, request, head, client_gone)
                 leg = await self._legs(request, client_gone)
             if leg.answer is not None:
-                last = await self._answer(request, leg.answer, output_filter, recorder)
+                last = await self._answer(request, leg.answer, admission, output_filter, recorder)
             else:
                 relay = Relay(leg, request, output_filter, admission.charge_output)
                 yield OPENED
@@ -259,10 +259,12 @@ class RequestFlow:
         self,
         request: Request,
         answer: dict[str, Any],
+        admission: Admission,
         output_filter: OutputFilter | None,
         recorder: UsageRecorder | None,
     ) -> dict[str, Any]:
-        """A non-streaming answer, through the output filter; the request ends with it."""
+        """A non-streaming answer, through the output filter; the request ends with it. Its
+        output is charged to the fair queue at once (a stream's is charged as it flows)."""
         choices = answer.get("choices") or [{}]
         finish_reason = choices[0].get("finish_reason")
         request.mark_first_token()
@@ -272,7 +274,10 @@ class RequestFlow:
                 finish_reason = CONTENT_FILTER
         if recorder is not None:
             recorder.on_result(answer)
-        request.finish(finish_reason, answer_usage(answer))
+        usage = answer_usage(answer)
+        if usage is not None:
+            admission.charge_output(usage.completion_tokens)
+        request.finish(finish_reason, usage)
         return answer
 
     async def _claim(

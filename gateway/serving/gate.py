@@ -1,8 +1,8 @@
 """The admission gate the flow passes through: authenticate, estimate, admit; and settle.
 
 Authorization -> Caller (401) -> output cap and token estimate (on the Request) ->
-AdmissionController.admit (400/429/503) -> the legs ... -> settle(used tokens): reconcile the
-quota, free the queue slot
+AdmissionController.admit (400/429/503) -> engine priority (band + fair position) -> the legs
+... -> settle(used tokens): reconcile the quota, free the queue slot
 
 A client that hangs up while its request waits for admission leaves the queue at once: the
 server does not cancel a handler whose client left, so admission races the client's disconnect.
@@ -51,9 +51,9 @@ class GateConfig:
     queue_timeout_s: float = 60.0
     """Longest wait in the fair queue."""
     engine_priority: bool = False
-    """Send each request's band to the engine as vLLM's ``priority`` (its workers must run
-    ``--scheduling-policy priority``, which ``tandem up`` gives its own workers); False sends
-    none and drops a client's."""
+    """Send each request's band and fair position to the engine as vLLM's ``priority``
+    (``PriorityBand.engine_priority``; its workers must run ``--scheduling-policy priority``,
+    which ``tandem up`` gives its own workers); False sends none and drops a client's."""
 
 
 class Gate:
@@ -105,8 +105,6 @@ class Gate:
                 self._metrics.observe_rejection(exc.code)
                 raise
         cap_output_tokens(request, caller.tenant.plan.max_output_tokens)
-        band = caller.tenant.plan.band
-        request.set_engine_priority(band.engine_priority if self._config.engine_priority else None)
         model = request.model
         estimate = await estimate_tokens(
             request.endpoint, request.body, request.prompt, self._counter, model.max_model_len
@@ -138,6 +136,10 @@ class Gate:
                 request.request_id, caller.tenant.name, exc.message, exc.code,
             )  # fmt: skip
             raise
+        # Decided here, after the grant (the band and the tenant's fair position in it), and
+        # always set: a client's own ``priority`` is replaced or dropped, never sent.
+        priority = caller.tenant.plan.band.engine_priority(admission.fair_position)
+        request.set_engine_priority(priority if self._config.engine_priority else None)
         request.admit(admission.queue_wait_s)
         self._metrics.observe_admitted(str(caller.tenant.plan.band), admission.queue_wait_s)
         return admission

@@ -108,6 +108,7 @@ class Router:
             self._decider,
             has_prefill_pool=bool(prefill_workers),
             prefill_healthy=any(worker.healthy for worker in prefill_workers),
+            decode_in_flight=decode_worker.num_outstanding,
         )
         prefill_worker = None
         if decision.path is ServingPath.DISAGGREGATED:

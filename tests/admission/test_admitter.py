@@ -1,5 +1,6 @@
 """Admitter: immediate admission, fair queueing, shedding, deadlines, cancellation, capacity
-growth, shutdown, starvation. A fake capacity signal and a fake clock; real asyncio."""
+growth, shutdown, starvation (within and across bands), headroom, fair positions. A fake
+capacity signal and a fake clock; real asyncio."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ async def make() -> AsyncIterator[MakeHarness]:
         max_queue: int = 8,
         poll_interval_s: float = 60.0,
         interactive_headroom: float = 0.0,
+        max_band_skips: int = 8,
     ) -> Harness:
         # A long poll interval by default: tests drive polls by hand unless they test the loop.
         config = AdmissionConfig(
@@ -103,7 +105,8 @@ async def make() -> AsyncIterator[MakeHarness]:
             interactive_headroom=interactive_headroom,
         )
         signal, clock = FakeCapacity(capacity), FakeClock()
-        admitter = Admitter(config, signal, FairQueueConfig(), clock=clock)
+        fair = FairQueueConfig(max_band_skips=max_band_skips)
+        admitter = Admitter(config, signal, fair, clock=clock)
         await admitter.start()
         harness = Harness(admitter, signal, clock)
         harnesses.append(harness)
@@ -434,3 +437,108 @@ def test_the_headroom_is_a_fraction_of_capacity() -> None:
         AdmissionConfig(
             max_queue=1, max_in_flight=1, default_queue_timeout_s=1.0, interactive_headroom=1.5
         )
+
+
+# --- Across bands: the starvation bound, and the headroom past a due entry --------------------
+
+
+async def release_in_order(h: Harness, total: int) -> None:
+    """Release each admitted slot in admission order until ``total`` were admitted."""
+    released = 0
+    while released < total:
+        await settle()
+        done = [t for t in h.tasks if t.done() and not t.result().released]
+        assert done, "nobody was admitted although capacity was released"
+        for task in done:
+            task.result().release()
+            released += 1
+
+
+@pytest.mark.parametrize(("max_band_skips", "batch_turn"), [(2, 2), (8, 8), (0, 20)])
+async def test_an_interactive_storm_cannot_starve_a_batch_request(
+    make: MakeHarness, max_band_skips: int, batch_turn: int
+) -> None:
+    h = await make(capacity=1, max_queue=64, max_band_skips=max_band_skips)
+    holder = await h.admit("chat", INTERACTIVE)
+    h.waiter("bulk", "bulk", BATCH)
+    for i in range(20):
+        h.waiter(f"chat-{i}", "chat", INTERACTIVE)
+    await settle()
+    holder.release()
+    await release_in_order(h, 21)
+    # K interactive admissions while it waited, then it; with K = 0, strict: after them all.
+    assert h.order.index("bulk") == batch_turn
+
+
+async def test_a_batch_tenant_alone_gets_all_the_capacity(make: MakeHarness) -> None:
+    h = await make(capacity=3, interactive_headroom=1.0)
+    for i in range(6):
+        h.waiter(f"bulk-{i}", "bulk", BATCH)
+    await settle()
+    assert h.order == ["bulk-0", "bulk-1", "bulk-2"] and h.admitter.num_in_flight == 3
+    await release_in_order(h, 6)
+    assert h.order == [f"bulk-{i}" for i in range(6)]
+
+
+async def test_all_tenants_interactive_take_turns(make: MakeHarness) -> None:
+    h = await make(capacity=1, max_queue=64)
+    holder = await h.admit("a", INTERACTIVE)
+    for tenant in ("a", "b", "c"):
+        for i in range(4):
+            h.waiter(f"{tenant}-{i}", tenant, INTERACTIVE)
+    await settle()
+    holder.release()
+    await release_in_order(h, 12)
+    # Not FIFO (four a's first): every round of three has one of each.
+    rounds = [sorted(name[0] for name in h.order[i : i + 3]) for i in range(0, 12, 3)]
+    assert rounds == [["a", "b", "c"]] * 4
+
+
+async def test_headroom_stays_usable_past_a_due_batch_entry_which_gets_the_next_regular_slot(
+    make: MakeHarness,
+) -> None:
+    h = await make(capacity=2, interactive_headroom=1.0, max_band_skips=1)  # 2 headroom slots
+    held = [await h.admit("a"), await h.admit("b")]
+    h.waiter("bulk", "bulk", BATCH)
+    for i in range(5):
+        h.waiter(f"chat-{i}", "chat", INTERACTIVE)
+    await settle()
+    # chat-0 took the headroom ahead of bulk, which is now due (1 skip) and waits for a regular
+    # slot; chat-1 is admitted past it into the headroom all the same.
+    assert h.order == ["chat-0", "chat-1"] and h.admitter.num_in_flight == 4
+    held[0].release()
+    await settle()
+    assert h.order[2:] == ["chat-2"]  # in-flight 3, still past capacity: the headroom's again
+    held[1].release()
+    await settle()
+    # Two interactive requests went past the due entry (the headroom's size): no more, or a
+    # storm refilling every freed slot would keep in-flight past capacity forever.
+    assert h.order[3:] == [] and h.admitter.num_in_flight == 3
+    h.tasks[1].result().release()  # chat-0: in-flight 2, at capacity
+    await settle()
+    assert h.order[3:] == []
+    h.tasks[2].result().release()  # chat-1: a regular slot frees, and the due entry gets it
+    await settle()
+    assert h.order[3:] == ["bulk", "chat-3", "chat-4"]
+    assert h.admitter.num_in_flight == 4
+    for task in h.tasks[3:]:
+        task.result().release()
+
+
+# --- The fair position each slot carries --------------------------------------------------------
+
+
+async def test_a_slot_carries_its_tenants_fair_position(make: MakeHarness) -> None:
+    h = await make(capacity=3)
+    heavy = await h.admitter.admit("heavy", 1.0, STANDARD, 100, None)
+    assert heavy.fair_position == 0  # nobody else is active in the band
+    light = await h.admit("light")  # lifted to the floor (100), still running: counted
+    assert light.fair_position == 0
+    light.release()
+    heavy.charge_output(50)  # heavy at 200, running; light idle (dropped at the floor)
+    again = await h.admit("light")
+    assert again.fair_position == 0
+    more = await h.admitter.admit("heavy", 1.0, STANDARD, 10, None)
+    assert more.fair_position == 1  # light, running at 110, is less served
+    for slot in (heavy, again, more):
+        slot.release()

@@ -1,5 +1,5 @@
 """FairQueue (VTC with priority bands): ordering, lift, weights and the VTC bound, shedding,
-removal, and the memory bound on counters."""
+removal, the memory bound on counters, the starvation bound across bands, positions."""
 
 from __future__ import annotations
 
@@ -277,15 +277,22 @@ def test_invalid_entries_are_refused() -> None:
         entry("a", prompt=-1)
 
 
-def test_random_operations_keep_the_invariants() -> None:
-    """Against a plain model of the queue: the lazy heaps never pick the wrong tenant, and a
-    counter is never dropped while its tenant has anything queued or running."""
+@pytest.mark.parametrize("max_band_skips", [0, 1, 3])
+def test_random_operations_keep_the_invariants(max_band_skips: int) -> None:
+    """Against a plain model of the queue: the lazy heaps never pick the wrong tenant, the
+    skip counts pick the right band, positions count the right tenants, and a counter is never
+    dropped while its tenant has anything queued or running."""
     rng = random.Random(7)
-    queue: FairQueue[str] = FairQueue()
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=max_band_skips))
     queued: list[QueueEntry[str]] = []  # the model: every queued entry, in push order
     running: list[QueueEntry[str]] = []
+    skips = dict.fromkeys(PriorityBand, 0)
     tenants = [f"t{i}" for i in range(8)]
     band_of = {t: list(PriorityBand)[i % 3] for i, t in enumerate(tenants)}
+
+    def waiting(band: PriorityBand) -> bool:
+        return any(e.band is band for e in queued)
+
     for step in range(5000):
         op = rng.random()
         if op < 0.4:
@@ -297,14 +304,28 @@ def test_random_operations_keep_the_invariants() -> None:
             queued.append(e)
         elif op < 0.65 and queued:
             before = queue.counters
-            best = min(e.band.rank for e in queued)
+            due = [b for b in PriorityBand if max_band_skips and skips[b] >= max_band_skips]
+            best = min(b.rank for b in due if waiting(b)) if any(map(waiting, due)) else None
+            if best is None:
+                best = min(e.band.rank for e in queued)
             in_band = [e for e in queued if e.band.rank == best]
+            head = queue.peek()
+            assert head is not None
+            active = {e.tenant_id for e in in_band + running if e.band is head.band}
+            mine = before[head.tenant_id]
+            expected = sum(1 for t in active - {head.tenant_id} if before[t] < mine)
+            assert queue.position(head.tenant_id, head.band) == expected
             popped = queue.pop()
+            assert popped is head
             assert popped.band.rank == best
             assert before[popped.tenant_id] == min(before[e.tenant_id] for e in in_band)
             assert popped is next(e for e in in_band if e.tenant_id == popped.tenant_id)
             queued.remove(popped)
             running.append(popped)
+            skips[popped.band] = 0
+            for band in PriorityBand:
+                if band.rank > popped.band.rank and waiting(band):
+                    skips[band] += 1
         elif op < 0.75 and queued:
             candidate = queue.shed_candidate()
             assert candidate is not None
@@ -316,6 +337,8 @@ def test_random_operations_keep_the_invariants() -> None:
             assert candidate is [e for e in in_band if e.tenant_id == candidate.tenant_id][-1]
             assert queue.remove(candidate)
             queued.remove(candidate)
+            if not waiting(candidate.band):
+                skips[candidate.band] = 0
         elif op < 0.9 and running:
             e = rng.choice(running)
             queue.charge_output(e.tenant_id, e.weight, rng.randint(1, 30))
@@ -325,3 +348,185 @@ def test_random_operations_keep_the_invariants() -> None:
         assert len(queue) == len(queued)
         busy = {e.tenant_id for e in queued + running}
         assert busy <= queue.counters.keys()
+
+
+# --- The starvation bound across bands ---------------------------------------------------
+
+
+def pop_until(queue: FairQueue[str], payload: str, limit: int, refill: PriorityBand) -> int:
+    """Pop (finishing at once, each pop replaced by a new entry of ``refill``: an endless
+    stream) until ``payload`` comes out; how many pops that took. Fails past ``limit``."""
+    for n in range(1, limit + 1):
+        popped = queue.pop()
+        queue.finish(popped)
+        if popped.payload == payload:
+            return n
+        queue.push(entry("stream", refill))
+    raise AssertionError(f"{payload} not popped in {limit} pops")
+
+
+@pytest.mark.parametrize("max_band_skips", [1, 3, 8])
+def test_an_endless_interactive_stream_cannot_starve_a_batch_entry(max_band_skips: int) -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=max_band_skips))
+    queue.push(entry("bulk", BATCH, name="bulk"))
+    for _ in range(3):
+        queue.push(entry("stream", INTERACTIVE))
+    # K pops go to the stream, the next one to the batch entry.
+    assert pop_until(queue, "bulk", 100, INTERACTIVE) == max_band_skips + 1
+
+
+def test_zero_skips_keeps_bands_strict() -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=0))
+    queue.push(entry("bulk", BATCH, name="bulk"))
+    queue.push(entry("stream", INTERACTIVE))
+    with pytest.raises(AssertionError, match="not popped"):
+        pop_until(queue, "bulk", 1000, INTERACTIVE)  # starved for as long as the stream lasts
+    assert [e.payload for e in queue.entries()] == ["stream", "bulk"]
+
+
+def test_max_band_skips_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_band_skips"):
+        FairQueueConfig(max_band_skips=-1)
+
+
+def test_the_skip_count_resets_when_the_band_is_served_or_empties() -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=3))
+    queue.push(entry("stream", INTERACTIVE))
+    queue.push(entry("bulk", BATCH, name="bulk-0"))
+    queue.push(entry("bulk", BATCH, name="bulk-1"))
+    assert pop_until(queue, "bulk-0", 10, INTERACTIVE) == 4
+    # Served: bulk-1, waiting all along, starts counting afresh.
+    assert pop_until(queue, "bulk-1", 10, INTERACTIVE) == 4
+    # Emptied: two skips, then the entry leaves (client gone); a newcomer waits 3 skips again.
+    gone = entry("bulk", BATCH, name="gone")
+    queue.push(gone)
+    queue.push(entry("stream", INTERACTIVE))
+    queue.push(entry("stream", INTERACTIVE))
+    assert pop_names(queue, 2) == ["stream", "stream"]
+    assert queue.remove(gone)
+    queue.push(entry("bulk", BATCH, name="bulk-2"))
+    assert pop_until(queue, "bulk-2", 10, INTERACTIVE) == 4
+
+
+def test_an_empty_band_does_not_count_skips() -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=2))
+    for _ in range(5):
+        queue.push(entry("stream", INTERACTIVE))
+    pop_names(queue, 4)  # no batch entry waited through these
+    queue.push(entry("bulk", BATCH, name="bulk"))
+    assert pop_until(queue, "bulk", 10, INTERACTIVE) == 3
+
+
+def test_due_bands_go_better_first_and_peek_shows_the_due_entry() -> None:
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=2))
+    for _ in range(6):
+        queue.push(entry("stream", INTERACTIVE))
+    queue.push(entry("std", STANDARD, name="std"))
+    queue.push(entry("bulk", BATCH, name="bulk"))
+    assert pop_names(queue, 2) == ["stream", "stream"]
+    head = queue.peek()  # both are due now: standard first
+    assert head is not None and head.payload == "std"
+    assert pop_names(queue, 3) == ["std", "bulk", "stream"]
+    # Asked for a band, peek and pop give that band's VTC head regardless of who is due.
+    queue.push(entry("std", STANDARD, name="std"))
+    pop_names(queue, 2)
+    assert queue.peek() is not None and queue.peek() is not queue.peek(INTERACTIVE)
+    popped = queue.pop(INTERACTIVE)
+    assert popped.band is INTERACTIVE
+    queue.finish(popped)
+    assert [e.payload for e in pop_names_of(queue, STANDARD)] == ["std"]
+
+
+def pop_names_of(queue: FairQueue[str], band: PriorityBand) -> list[QueueEntry[str]]:
+    """Pop the next entry of ``band`` (finished at once)."""
+    popped = queue.pop(band)
+    queue.finish(popped)
+    return [popped]
+
+
+def test_a_batch_tenant_alone_gets_every_pop() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for i in range(20):
+        queue.push(entry("bulk", BATCH, name=f"bulk-{i}"))
+    assert pop_names(queue, 20) == [f"bulk-{i}" for i in range(20)]
+
+
+def test_all_tenants_interactive_keep_their_weighted_shares() -> None:
+    queue: FairQueue[str] = FairQueue()
+    weights = {"one": 1.0, "two": 2.0, "three": 3.0}
+    for tenant, weight in weights.items():
+        for _ in range(2):
+            queue.push(entry(tenant, INTERACTIVE, weight=weight))
+    served = dict.fromkeys(weights, 0)
+    for _ in range(600):
+        popped = queue.pop()
+        queue.finish(popped)
+        served[popped.tenant_id] += 1
+        queue.push(entry(popped.tenant_id, INTERACTIVE, weight=popped.weight))
+    assert served == {"one": 100, "two": 200, "three": 300}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_backlogged_tenant_is_popped_within_the_bound(seed: int) -> None:
+    """A property over random mixes of tenants, bands, weights, prompts and K: with everyone
+    continuously backlogged, every band is served at least once in any K + 2 pops (the
+    module's bound), and every tenant within its band's VTC turns times that."""
+    rng = random.Random(seed)
+    max_band_skips = rng.randint(1, 6)
+    queue: FairQueue[str] = FairQueue(FairQueueConfig(max_band_skips=max_band_skips))
+    tenants = {f"t{i}": (rng.choice(list(PriorityBand)), rng.choice([1.0, 2.0])) for i in range(6)}
+    max_prompt = rng.randint(1, 5)
+    for tenant, (band, weight) in tenants.items():
+        for _ in range(2):  # two each: a tenant's queue never empties, so it is never lifted
+            queue.push(entry(tenant, band, weight=weight, prompt=rng.randint(1, max_prompt)))
+    # Each pop of another tenant adds at least 1/2 to its counter and it is popped only while
+    # at or below ours, which it starts at most one charge (max_prompt) below.
+    max_charge, min_charge = float(max_prompt), 0.5
+    band_gap = max_band_skips + 2
+    last_pop = {tenant: -1 for tenant in tenants}
+    last_band_pop = {band: -1 for band, _ in tenants.values()}
+    for n in range(2000):
+        popped = queue.pop()
+        queue.finish(popped)
+        band = popped.band
+        assert n - last_band_pop[band] <= band_gap
+        others = sum(1 for b, _ in tenants.values() if b is band) - 1
+        turns = others * (int(max_charge / min_charge) + 1) + 1
+        assert n - last_pop[popped.tenant_id] <= turns * band_gap
+        last_pop[popped.tenant_id] = last_band_pop[band] = n
+        queue.push(
+            entry(popped.tenant_id, band, weight=popped.weight, prompt=rng.randint(1, max_prompt))
+        )
+    for tenant, (band, _) in tenants.items():
+        others = sum(1 for b, _ in tenants.values() if b is band) - 1
+        turns = others * (int(max_charge / min_charge) + 1) + 1
+        assert 2000 - last_pop[tenant] <= turns * band_gap + 1
+    assert all(2000 - last <= band_gap + 1 for last in last_band_pop.values())
+
+
+# --- Positions: a tenant's place in its band -------------------------------------------------
+
+
+def test_position_counts_the_less_served_tenants_active_in_the_band() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for tenant in ("low", "mid", "high"):
+        queue.push(entry(tenant, name=f"{tenant}-0"))
+        queue.push(entry(tenant, name=f"{tenant}-1"))
+    first = [queue.pop() for _ in range(3)]  # one each, running: all at 10, one queued each
+    queue.charge_output("mid", 1.0, 5)  # 20
+    queue.charge_output("high", 1.0, 10)  # 30
+    assert [queue.position(t, STANDARD) for t in ("low", "mid", "high")] == [0, 1, 2]
+    queue.push(entry("other-band", BATCH, prompt=1))  # at 0, below everyone, in another band
+    assert queue.position("low", STANDARD) == 0  # bands are never compared
+    assert queue.position("other-band", BATCH) == 0
+
+    second = queue.pop()  # low's last queued entry: low is at 20 and only running now
+    assert second.payload == "low-1"
+    assert queue.position("high", STANDARD) == 2  # a running tenant competes in the engine
+    assert queue.position("mid", STANDARD) == 0  # low ties at 20: strictly smaller only
+    for running in (first[0], second):
+        queue.finish(running)  # low is idle now: no longer counted
+    assert queue.position("high", STANDARD) == 1
+    assert queue.position("newcomer", STANDARD) == 0  # would join at the floor (20)
+    for running in first[1:]:
+        queue.finish(running)

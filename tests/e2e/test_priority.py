@@ -1,6 +1,5 @@
 """Bands as vLLM priorities on the real stack: the workers run ``--scheduling-policy priority``
-and accept each band's priority on both legs (a worker on vLLM's default ``fcfs`` policy answers
-400 to any priority but 0, and a 400 from either leg reaches the client)."""
+and accept each band's priority on both legs (a 400 from either leg would reach the client)."""
 
 from __future__ import annotations
 

@@ -74,11 +74,32 @@ form): ``token_delay_s``, ``first_token_delay_s``, ``fail_status`` (+ ``fail_tim
 ``die_after_tokens`` (cut the connection), ``error_after_tokens`` (vLLM in-stream error event),
 ``max_model_len``, ``garbage_response``, ``healthy``, ``max_num_seqs`` (extra requests wait and
 show in ``num_requests_waiting``), ``scripted_output`` (every choice answers this text in
-5-character tokens, to plant terms and PII split across chunks). ``aclose()`` cuts in-flight
-requests like a crash. The routes
+5-character tokens, to plant terms and PII split across chunks), ``scheduling_policy`` and
+``kv_capacity_seqs`` (below). ``aclose()`` cuts in-flight requests like a crash. The routes
 ``POST /_fake/config`` (a JSON object of those attributes) and ``GET /_fake/stats`` drive a child
 process (``python -m tests.fakes.fake_engine``, prints ``FAKE_ENGINE_READY <url>``); vLLM has no
 such routes.
+
+Scheduling (``vllm/v1/core/sched/scheduler.py``, ``request_queue.py``): every generation request
+is *waiting* or *running*; it runs while fewer than ``max_num_seqs`` and ``kv_capacity_seqs``
+(requests whose KV fits at once, a stand-in for blocks; None: no limit) run. Waiting requests
+start in arrival order under ``scheduling_policy = "fcfs"`` (vLLM's default) and in
+``(priority, arrival)`` order under ``"priority"`` (lower ``priority`` first; the body's
+``priority``, or vLLM's ``X-Vllm-Priority`` header, which wins). Under ``"priority"``, when the
+running count is at ``kv_capacity_seqs`` and a waiting request is better than the worst running
+one (largest ``(priority, arrival)``), that one is preempted: it goes back to waiting with its
+arrival unchanged, its stream pauses (no token is sent while it waits), and when rescheduled it
+resumes where it stopped, so no token is repeated or lost and usage counts each once. vLLM
+preempts only when a running request needs a block and none is free, and recomputes the
+preempted one's KV; the fake preempts as soon as a better request waits and resumes at once,
+which gives the same observable semantics. ``max_num_seqs`` alone never preempts. Preemptions
+are counted (``stats.num_preemptions``, each request's ``num_preemptions`` in
+``stats.requests``, ``vllm:num_preemptions_total`` on ``/metrics``, vLLM's counter).
+``kv_capacity_seqs`` does not change ``vllm:kv_cache_usage_perc`` (prompt tokens over
+``kv_capacity_tokens``, as before), so the gateway's KV watermark is not triggered by it.
+vLLM 0.32 accepts a non-zero ``priority`` under ``fcfs`` and ignores it (its OpenAI schema says
+such a request "will raise an error", but no code path checks it; upstream PR #23043, which
+would have, was closed unmerged); so does the fake.
 """
 
 from __future__ import annotations
@@ -93,7 +114,6 @@ import random
 import signal
 import time
 import uuid
-from collections import deque
 from typing import Any
 
 from aiohttp import web
@@ -126,7 +146,12 @@ RUNTIME_ATTRS = (
     "kv_lease_s",
     "max_num_seqs",
     "scripted_output",
+    "scheduling_policy",
+    "kv_capacity_seqs",
 )
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PRIORITY_HEADER = "X-Vllm-Priority"
+_INT64 = (-(2**63), 2**63 - 1)
 SCRIPT_TOKEN_CHARS = 5
 _XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 _BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
@@ -174,6 +199,7 @@ class EngineStats:
     num_killed: int = 0  # connections cut by die_after_tokens
     num_failed: int = 0  # fail_status / garbage / in-stream error responses
     num_misrouted: int = 0  # leg 1 on a decode-role or leg 2 on a prefill-role engine
+    num_preemptions: int = 0  # running requests sent back to waiting (priority policy)
     prompt_tokens: int = 0
     prompt_tokens_local_compute: int = 0
     prompt_tokens_external: int = 0
@@ -182,6 +208,20 @@ class EngineStats:
     nixl_bytes: int = 0
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     requests: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # path, body, headers
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+    """One generation request in the fake's scheduler (compared by identity)."""
+
+    priority: int
+    arrival: int
+    """Arrival order; kept across preemptions, like vLLM's ``arrival_time``."""
+    prompt_tokens: int
+    """KV it holds while running (freed while preempted)."""
+    record: dict[str, Any]
+    """Its entry in ``stats.requests`` (its ``num_preemptions`` is counted there)."""
+    running: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 @dataclasses.dataclass
@@ -285,6 +325,8 @@ class FakeEngine:
         self.kv_load_failure_policy = "fail"  # or "recompute"
         self.kv_lease_s = 30.0
         self.max_num_seqs: int | None = None
+        self.scheduling_policy = "fcfs"  # or "priority": (priority, arrival) order, preemption
+        self.kv_capacity_seqs: int | None = None  # requests whose KV fits at once
         self.scripted_output: str | None = None  # every choice says this, in 5-char tokens
         self.block_size = 16
         self.kv_bytes_per_token = 23_040  # SmolLM2-135M bf16: 30 layers x 2 x 3 x 64 x 2
@@ -297,7 +339,9 @@ class FakeEngine:
         self.system_fingerprint = (
             f"vllm-{VLLM_VERSION}-{hashlib.sha256(served_model_name.encode()).hexdigest()[:8]}"
         )
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._running: list[_Seq] = []
+        self._waiting: list[_Seq] = []
+        self._arrivals = 0
         self._tokens_in_use = 0
         self._next_block = 1
         self._closing = False
@@ -388,8 +432,12 @@ class FakeEngine:
         unknown = sorted(set(updates) - set(RUNTIME_ATTRS))
         if unknown:
             return _json({"error": f"unknown attributes {unknown}"}, 400)
+        policy = updates.get("scheduling_policy", self.scheduling_policy)
+        if policy not in SCHEDULING_POLICIES:
+            return _json({"error": f"scheduling_policy must be one of {SCHEDULING_POLICIES}"}, 400)
         for key, value in updates.items():
             setattr(self, key, value)
+        self._schedule()  # limits may have grown, or the order changed
         return _json({k: getattr(self, k) for k in RUNTIME_ATTRS})
 
     async def _stats(self, request: web.Request) -> web.Response:
@@ -495,6 +543,12 @@ class FakeEngine:
             [("", "", st.generation_tokens)],
         )
         metric(
+            "vllm:num_preemptions_total",
+            "counter",
+            "Cumulative number of preemption from the engine.",
+            [("", "", st.num_preemptions)],
+        )
+        metric(
             "vllm:request_success_total",
             "counter",
             "Count of successfully processed requests.",
@@ -537,29 +591,77 @@ class FakeEngine:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    # --- admission, KV -------------------------------------------------------------------
-    async def _admit(self, tokens: int) -> None:
-        while self.max_num_seqs is not None and self.stats.num_running >= self.max_num_seqs:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            self.stats.num_waiting += 1
-            try:
-                await fut
-            finally:
-                self.stats.num_waiting -= 1
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-        self.stats.num_running += 1
-        self._tokens_in_use += tokens
+    # --- scheduling, KV ------------------------------------------------------------------
+    def _enter(self, priority: int, prompt_tokens: int, record: dict[str, Any]) -> _Seq:
+        """A new request joins the waiting queue; it may start (or preempt) at once."""
+        seq = _Seq(priority, self._arrivals, prompt_tokens, record)
+        self._arrivals += 1
+        record["num_preemptions"] = 0
+        self._waiting.append(seq)
+        self.stats.num_waiting += 1
+        self._schedule()
+        return seq
 
-    def _release(self, tokens: int) -> None:
+    def _leave(self, seq: _Seq) -> None:
+        """``seq`` ended (finished, failed, aborted while running or waiting)."""
+        if seq in self._running:
+            self._running.remove(seq)
+            self.stats.num_running -= 1
+            self._tokens_in_use -= seq.prompt_tokens
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+            self.stats.num_waiting -= 1
+        self._schedule()
+
+    def _order(self, seq: _Seq) -> tuple[int, int]:
+        return (seq.priority if self.scheduling_policy == "priority" else 0, seq.arrival)
+
+    def _schedule(self) -> None:
+        """Start waiting requests, best first, while there is room; under the priority policy a
+        waiting request better than the worst running one preempts it when the KV is full."""
+        while self._waiting:
+            best = min(self._waiting, key=self._order)
+            limits = [n for n in (self.max_num_seqs, self.kv_capacity_seqs) if n is not None]
+            if not limits or len(self._running) < min(limits):
+                self._start(best)
+                continue
+            kv_full = (
+                self.kv_capacity_seqs is not None and len(self._running) >= self.kv_capacity_seqs
+            )
+            if (
+                self.scheduling_policy != "priority"
+                or not kv_full
+                or len(self._running) > min(limits)
+            ):
+                return
+            worst = max(self._running, key=self._order)
+            if self._order(worst) <= self._order(best):
+                return
+            self._preempt(worst)  # each swap improves the running set: the loop ends
+
+    def _start(self, seq: _Seq) -> None:
+        self._waiting.remove(seq)
+        self.stats.num_waiting -= 1
+        self._running.append(seq)
+        self.stats.num_running += 1
+        self._tokens_in_use += seq.prompt_tokens
+        seq.running.set()
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._running.remove(seq)
         self.stats.num_running -= 1
-        self._tokens_in_use -= tokens
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                break
+        self._tokens_in_use -= seq.prompt_tokens
+        self._waiting.append(seq)
+        self.stats.num_waiting += 1
+        seq.running.clear()
+        seq.record["num_preemptions"] += 1
+        self.stats.num_preemptions += 1
+
+    @staticmethod
+    async def _scheduled(seq: _Seq) -> None:
+        """Wait while ``seq`` waits (queued, or preempted: its output pauses here)."""
+        if not seq.running.is_set():
+            await seq.running.wait()
 
     def _expire_kv(self) -> None:
         now = time.monotonic()
@@ -642,6 +744,11 @@ class FakeEngine:
                 "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
                 param="stream_options",
             )
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or not _INT64[0] <= priority <= _INT64[1]:
+            raise _validation_error(
+                "int_type", "priority", "Input should be a valid integer", priority
+            )
         model = body.get("model")
         if model and model != self.served_model_name:
             raise ApiError(
@@ -704,9 +811,8 @@ class FakeEngine:
             except ValueError:
                 raise _validation_error("json_invalid", "", "JSON decode error", "") from None
             self._validate(path, body)
-            self.stats.requests.append(
-                {"path": path, "body": body, "headers": dict(request.headers)}
-            )
+            record = {"path": path, "body": body, "headers": dict(request.headers)}
+            self.stats.requests.append(record)
             if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
                 if self.fail_times is not None:
                     self.fail_times -= 1
@@ -718,12 +824,12 @@ class FakeEngine:
                     f"Fake failure {self.fail_status}",
                     "ServiceUnavailableError" if self.fail_status == 503 else "InternalServerError",
                 )
-            return await self._run(request, path, body)
+            return await self._run(request, path, body, record)
         except ApiError as exc:
             return _json(exc.body(), exc.status)
 
     async def _run(
-        self, request: web.Request, path: str, body: dict[str, Any]
+        self, request: web.Request, path: str, body: dict[str, Any], record: dict[str, Any]
     ) -> web.StreamResponse:
         chat = path.endswith("/chat/completions")
         prompts = render_prompts(path, body)
@@ -764,13 +870,14 @@ class FakeEngine:
             for i in range(n)
         ]
         kv_out = self._produce_kv(f"{rid}-{uuid.uuid4().hex[:8]}", prompt_tokens) if leg1 else None
-        admitted = False
+        seq = self._enter(_priority(request, body), prompt_tokens, record)
         try:
-            await self._admit(prompt_tokens)  # a client may leave while waiting: abort too
-            admitted = True
+            await self._scheduled(seq)  # a client may leave while waiting: abort too
             if stream:
-                return await self._stream(request, chat, rid, body, plans, prompt_tokens, kv_failed)
-            return await self._full(request, chat, rid, plans, prompt_tokens, kv_out)
+                return await self._stream(
+                    request, chat, rid, body, plans, prompt_tokens, seq, kv_failed
+                )
+            return await self._full(request, chat, rid, plans, prompt_tokens, kv_out, seq)
         except _Killed:
             raise
         except (asyncio.CancelledError, ConnectionResetError):
@@ -779,8 +886,7 @@ class FakeEngine:
                 self._count("abort")
             raise
         finally:
-            if admitted:
-                self._release(prompt_tokens)
+            self._leave(seq)
 
     def _count(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
@@ -803,10 +909,16 @@ class FakeEngine:
         plans: list[tuple[list[str], str, str | None]],
         prompt_tokens: int,
         kv_out: dict[str, Any] | None,
+        seq: _Seq,
     ) -> web.StreamResponse:
         total = sum(len(d) for d, _, _ in plans)
         until = total if self.die_after_tokens is None else min(total, self.die_after_tokens)
-        await asyncio.sleep(self.first_token_delay_s + self.token_delay_s * max(0, until - 1))
+        await asyncio.sleep(self.first_token_delay_s)
+        for _ in range(until - 1):  # token by token: a preemption pauses it
+            await self._scheduled(seq)
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+        await self._scheduled(seq)
         if self.die_after_tokens is not None and self.die_after_tokens <= total:
             return await self._kill(request)
         if self.garbage_response:
@@ -885,6 +997,7 @@ class FakeEngine:
         body: dict[str, Any],
         plans: list[tuple[list[str], str, str | None]],
         prompt_tokens: int,
+        seq: _Seq,
         kv_failed: bool = False,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -952,6 +1065,7 @@ class FakeEngine:
             for i, (deltas, reason, stop_reason) in enumerate(plans):
                 if step >= len(deltas):
                     continue
+                await self._scheduled(seq)  # preempted: the stream pauses, nothing is lost
                 if error_after is not None and written >= error_after:
                     if not kv_failed:
                         self.stats.num_failed += 1
@@ -994,6 +1108,15 @@ class FakeEngine:
             )
         await send("[DONE]")
         return resp
+
+
+def _priority(request: web.Request, body: dict[str, Any]) -> int:
+    """vLLM's request priority: the ``X-Vllm-Priority`` header (when an int), else the body's."""
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is not None:
+        with contextlib.suppress(ValueError):
+            return int(header)
+    return int(body.get("priority", 0))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -1045,6 +1168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"))
     p.add_argument("--kv-lease-s", type=float)
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES)
+    p.add_argument("--kv-capacity-seqs", type=int)
     asyncio.run(_serve(p.parse_args(argv)))
 
 

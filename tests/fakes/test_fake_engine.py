@@ -362,6 +362,7 @@ async def test_delays_and_waiting(engine: FakeEngine, session: aiohttp.ClientSes
 
 async def test_process_form(session: aiohttp.ClientSession) -> None:
     cmd = ["-m", "tests.fakes.fake_engine", "--served-model-name", "pm", "--role", "prefill"]
+    cmd += ["--scheduling-policy", "priority", "--kv-capacity-seqs", "2"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *cmd, "--fail-status", "503", cwd=ROOT, stdout=asyncio.subprocess.PIPE
     )
@@ -375,6 +376,10 @@ async def test_process_form(session: aiohttp.ClientSession) -> None:
         assert body["error"]["code"] == 503
         async with session.post(url + "/_fake/config", json={"fail_status": None}) as r:
             assert r.status == 200
+            knobs = await r.json()
+        assert (knobs["scheduling_policy"], knobs["kv_capacity_seqs"]) == ("priority", 2)
+        async with session.post(url + "/_fake/config", json={"scheduling_policy": "lifo"}) as r:
+            assert r.status == 400
         status, body = await post(session, url + CHAT, {"model": "pm", "messages": MSGS})
         assert status == 200
         assert body["model"] == "pm"
@@ -385,3 +390,143 @@ async def test_process_form(session: aiohttp.ClientSession) -> None:
     finally:
         proc.terminate()
         await proc.wait()
+
+
+def _tokens(events: list[Any]) -> list[str]:
+    """The token texts of a chat stream (role and usage chunks left out)."""
+    return [
+        e["choices"][0]["delta"]["content"]
+        for e in events
+        if isinstance(e, dict) and e.get("choices") and "role" not in e["choices"][0]["delta"]
+    ]
+
+
+async def test_waiting_requests_start_by_priority_then_arrival(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.scheduling_policy, engine.max_num_seqs, engine.token_delay_s = "priority", 1, 0.02
+    done: list[str] = []
+
+    async def run(name: str, priority: int) -> None:
+        body = {"messages": [{"role": "user", "content": name}], "priority": priority}
+        status, _ = await post(session, engine.base_url + CHAT, body)
+        assert status == 200
+        done.append(name)
+
+    tasks = [asyncio.create_task(run("first", 0))]
+    await _until(lambda: engine.stats.num_running == 1)
+    for k, (name, priority) in enumerate([("late", 5), ("b1", 1), ("urgent", -3), ("b2", 1)]):
+        tasks.append(asyncio.create_task(run(name, priority)))
+        await _until(lambda k=k: engine.stats.num_waiting == k + 1)  # arrival order is fixed
+    await asyncio.gather(*tasks)
+    assert done == ["first", "urgent", "b1", "b2", "late"]
+    assert engine.stats.num_preemptions == 0  # max_num_seqs waits, it never preempts
+    # fcfs (vLLM's default) takes a non-zero priority and ignores it: arrival order
+    engine.scheduling_policy = "fcfs"
+    done.clear()
+    tasks = [asyncio.create_task(run("first", 0))]
+    await _until(lambda: engine.stats.num_running == 1)
+    for k, (name, priority) in enumerate([("late", 5), ("urgent", -3)]):
+        tasks.append(asyncio.create_task(run(name, priority)))
+        await _until(lambda k=k: engine.stats.num_waiting == k + 1)
+    await asyncio.gather(*tasks)
+    assert done == ["first", "late", "urgent"]
+    status, body = await post(session, engine.base_url + CHAT, {"messages": MSGS, "priority": "x"})
+    assert status == 400
+    assert body["error"]["param"] == "body.priority"
+
+
+async def test_preemption_pauses_the_worst_stream_and_resumes_it_intact(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.output_tokens = 30
+    alone = {}
+    for name in ("b1", "b2", "b3"):  # the same requests served alone, for reference
+        events = await sse(session, engine.base_url + CHAT, _ask(name, stream=True))
+        alone[name] = (_tokens(events), events[-2]["usage"])
+    engine.scheduling_policy, engine.kv_capacity_seqs, engine.token_delay_s = "priority", 3, 0.02
+    received: dict[str, list[str]] = {}
+    usage: dict[str, Any] = {}
+
+    async def stream(name: str, priority: int, **extra: Any) -> None:
+        received[name] = []
+        body = {**_ask(name, stream=True), "priority": priority, **extra}
+        async with session.post(engine.base_url + CHAT, json=body) as r:
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                received[name].extend(_tokens([event]))
+                usage[name] = event.get("usage") or usage.get(name)
+
+    # worst running = largest (priority, arrival): b3 (priority 2 like b2, but arrived later)
+    batch = []
+    for name, priority in (("b1", 1), ("b2", 2), ("b3", 2)):
+        batch.append(asyncio.create_task(stream(name, priority)))
+        await _until(lambda name=name: len(received.get(name, [])) >= 2)
+    urgent = asyncio.create_task(stream("urgent", -1, max_tokens=10))  # ends before any batch
+    await _until(lambda: engine.stats.num_preemptions == 1)
+    paused_at = len(received["b3"])
+    assert [r["num_preemptions"] for r in engine.stats.requests[-4:]] == [0, 0, 1, 0]
+    assert engine.stats.num_running == 3
+    assert engine.stats.num_waiting == 1
+    await urgent
+    # Paused while the urgent stream ran (10 tokens x 20 ms): at most one chunk was in flight.
+    assert len(received["b3"]) - paused_at <= 1
+    await asyncio.gather(*batch)
+    for name in ("b1", "b2", "b3"):
+        assert received[name] == alone[name][0]  # nothing lost, nothing repeated
+        assert usage[name] == alone[name][1]
+        assert usage[name]["completion_tokens"] == len(received[name])
+    assert engine.stats.num_preemptions == 1
+    assert engine.stats.num_running == engine.stats.num_waiting == 0
+    async with session.get(engine.base_url + "/metrics") as r:
+        metrics = await r.text()
+    assert 'vllm:num_preemptions_total{engine="0",model_name="m"} 1.0' in metrics
+
+
+async def test_preempted_non_streaming_request_finishes_whole(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.output_tokens = 20
+    _, alone = await post(session, engine.base_url + CHAT, _ask("batch"))
+    engine.scheduling_policy, engine.kv_capacity_seqs, engine.token_delay_s = "priority", 1, 0.02
+    batch = asyncio.create_task(
+        post(session, engine.base_url + CHAT, {**_ask("batch"), "priority": 1})
+    )
+    await _until(lambda: engine.stats.num_running == 1)
+    _, urgent = await post(session, engine.base_url + CHAT, {**_ask("urgent"), "priority": -1})
+    assert urgent["choices"][0]["finish_reason"] == "stop"
+    assert engine.stats.num_preemptions == 1
+    assert not batch.done()  # paused behind it
+    _, body = await batch
+    assert body["choices"][0]["message"] == alone["choices"][0]["message"]
+    assert body["usage"] == alone["usage"]
+
+
+async def test_the_fifo_policy_never_preempts(
+    engine: FakeEngine, session: aiohttp.ClientSession
+) -> None:
+    engine.kv_capacity_seqs, engine.token_delay_s = 1, 0.02
+    batch = asyncio.create_task(post(session, engine.base_url + CHAT, {**_ask("b"), "priority": 1}))
+    await _until(lambda: engine.stats.num_running == 1)
+    urgent = asyncio.create_task(
+        post(session, engine.base_url + CHAT, {**_ask("u"), "priority": -1})
+    )
+    await _until(lambda: engine.stats.num_waiting == 1)  # kv_capacity_seqs caps running too
+    assert [s for s, _ in await asyncio.gather(batch, urgent)] == [200, 200]
+    assert engine.stats.num_preemptions == 0
+
+
+def _ask(name: str, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": f"job {name}"}]}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+async def _until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)

@@ -40,6 +40,36 @@ def test_threshold_zero_always_splits() -> None:
     assert decision.path is ServingPath.DISAGGREGATED
 
 
+@pytest.mark.parametrize(
+    ("prompt_tokens", "in_flight", "healthy", "path", "reason"),
+    [
+        # 67 x 8 = 536 token-streams stalled: over the budget, split though short.
+        (67, 8, True, ServingPath.DISAGGREGATED, Reason.BUSY_DECODE),
+        (34, 10, True, ServingPath.COLOCATED, Reason.SHORT_PROMPT),  # 340: cheap to colocate
+        (67, 2, True, ServingPath.COLOCATED, Reason.SHORT_PROMPT),  # a quiet decode worker
+        (64, 8, True, ServingPath.DISAGGREGATED, Reason.BUSY_DECODE),  # exactly the budget
+        (67, 8, False, ServingPath.FALLBACK, Reason.NO_HEALTHY_PREFILL),
+        (LONG, 0, True, ServingPath.DISAGGREGATED, Reason.LONG_PROMPT),
+    ],
+)
+def test_a_busy_decode_worker_splits_short_prompts_past_the_interference_budget(
+    prompt_tokens: int, in_flight: int, healthy: bool, path: ServingPath, reason: Reason
+) -> None:
+    config = DeciderConfig(min_prompt_tokens=256, interference_budget=512)
+    decision = decide(
+        prompt_tokens, 1, config,
+        has_prefill_pool=True, prefill_healthy=healthy, decode_in_flight=in_flight,
+    )  # fmt: skip
+    assert (decision.path, decision.reason) == (path, reason)
+
+
+def test_without_an_interference_budget_load_never_splits_a_short_prompt() -> None:
+    decision = decide(
+        SHORT, 1, CONFIG, has_prefill_pool=True, prefill_healthy=True, decode_in_flight=10_000
+    )
+    assert decision.path is ServingPath.COLOCATED
+
+
 @pytest.fixture(scope="module")
 def word_counter(tmp_path_factory: pytest.TempPathFactory) -> TokenizerCounter:
     """A real tokenizer file whose tokens are words: counts are known exactly."""

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,10 @@ def test_prefill_and_decode_command_lines() -> None:
     assert argv[argv.index("--shutdown-timeout") + 1] == "10"
     # Requests carry their tenant's band as vLLM's priority (gateway/serving/gate.py).
     assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    assert "--max-num-batched-tokens" not in argv  # vLLM's own step budget unless given
+    stepped = replace(decode_0, launch=replace(launch, max_num_batched_tokens=64))
+    stepped_argv = worker_argv(stepped)
+    assert stepped_argv[stepped_argv.index("--max-num-batched-tokens") + 1] == "64"
     assert json.loads(flags["--kv-transfer-config"]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
