@@ -97,6 +97,11 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         "TANDEM_LOG_DIR": str(workdir / "logs"),
         "TANDEM_STATE_DIR": str(workdir / "state"),
         "TANDEM_ADMIN_KEY": ADMIN_KEY,
+        # Issue 19's flood (test_noisy_neighbours.py): 8 in flight, so the heavy tenants queue
+        # and fair admission decides who runs; at its 1/4 share the weight-1 tenant's 24
+        # streams queue about a minute each, past the default 60 s queue timeout.
+        "TANDEM_MAX_IN_FLIGHT_PER_WORKER": "8",
+        "TANDEM_QUEUE_TIMEOUT_S": "300",
     }
     log_path = workdir / "tandem-up.log"
     with log_path.open("wb") as log:

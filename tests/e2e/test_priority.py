@@ -4,6 +4,7 @@ and accept each band's priority on both legs (a 400 from either leg would reach 
 from __future__ import annotations
 
 import openai
+import psutil
 import pytest
 
 from tests.e2e.conftest import LiveStack
@@ -34,3 +35,18 @@ def test_every_band_is_served_by_priority_scheduled_workers(
     with live_stack.admin as admin:
         metrics = admin.get("/metrics").text
     assert 'path="disaggregated"' in metrics  # the long prompts took both legs
+
+
+def test_decode_workers_bound_each_engine_step(live_stack: LiveStack) -> None:
+    """``TANDEM_DECODE_STEP_TOKENS`` (64): a colocated prompt's prefill shares a decode step
+    with every running stream, so decode workers cap the tokens one step computes; prefill
+    workers keep vLLM's larger default (they run no streams)."""
+    servers: dict[str, list[str]] = {}
+    for proc in psutil.Process(live_stack.pid).children(recursive=True):
+        cmdline = proc.cmdline()
+        if "--port" in cmdline and "vllm.entrypoints.openai.api_server" in cmdline:
+            servers[cmdline[cmdline.index("--port") + 1]] = cmdline
+    decode = servers[live_stack.decode_url.rsplit(":", 1)[-1]]
+    prefill = servers[live_stack.prefill_url.rsplit(":", 1)[-1]]
+    assert decode[decode.index("--max-num-batched-tokens") + 1] == "64"
+    assert "--max-num-batched-tokens" not in prefill

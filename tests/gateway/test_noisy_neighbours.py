@@ -204,12 +204,27 @@ async def test_an_interactive_storm_preempts_batch_streams_which_finish_intact(
         assert min(r["body"]["priority"] for r in preempted) > interactive_priority
         # The clients saw it as a pause (a preempted stream waits out an interactive answer)...
         assert max(o.longest_pause_s for o in batch) > 5 * TOKEN_DELAY_S
+        # ...and so does the operator: the worker's preemptions and the batch band's pauses.
+        async with httpx.AsyncClient() as http:
+            gateway_metrics = (await http.get(f"{stack.base_url}/metrics")).text
+        assert (
+            f'tandem_worker_preemptions_total{{worker="decode-ext-0",role="decode"}} '
+            f"{float(preemptions)}" in gateway_metrics
+        )
+        pauses = _histogram_sum(gateway_metrics, "tandem_stream_longest_pause_seconds", "batch")
+        assert pauses >= max(o.longest_pause_s for o in batch) - 0.05
         # ...and each batch stream, preempted or not, says exactly what it says served alone.
         for o in batch:
             assert o.completed, (o.prompt, o.error)
             assert o.tokens == alone[o.prompt].tokens, o.prompt
             assert o.usage == alone[o.prompt].usage
         await _assert_none_lost(stack, batch + interactive + list(alone.values()))
+
+
+def _histogram_sum(metrics: str, name: str, band: str) -> float:
+    prefix = f'{name}_sum{{band="{band}"}} '
+    [line] = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(line.removeprefix(prefix))
 
 
 def _is_chat(record: dict[str, Any]) -> bool:
