@@ -70,6 +70,9 @@ class TandemSettings(BaseSettings):
     hands over can be counted."""
     max_model_len: int | None = Field(None, ge=16)
     """Context window the workers serve; unset = the model's own."""
+    worker_extra_args: str = ""
+    """Further vLLM flags for every managed worker, split like a shell line and appended
+    last (e.g. ``--num-gpu-blocks-override 9`` to make KV scarce and see preemptions)."""
     default_max_tokens: int = Field(1024, ge=0)
     """Output cap of a chat request that sets no ``max_tokens`` (a plan's ``max_output_tokens``
     wins), listed in ``/v1/models``; 0 = none, up to the context window as OpenAI's API."""

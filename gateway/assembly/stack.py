@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import subprocess
 import sys
 import time
@@ -121,6 +122,7 @@ class Stack:
             dtype=settings.dtype,
             scheduling_policy="priority" if settings.engine_priority else "fcfs",
             connector=connector_config(settings),
+            extra_args=tuple(shlex.split(settings.worker_extra_args)),
         )
         num_prefill = settings.num_prefill_workers
         binds: tuple[str | None, ...] = tuple(settings.cpu_binding)

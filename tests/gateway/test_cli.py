@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from gateway.assembly.settings import TandemSettings
+from gateway.assembly.stack import Stack
 from gateway.cli.main import _parser, _port_is_free, _settings_from_args, main
+from workers.model import PreparedModel
+from workers.process import worker_argv
 
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +51,22 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["version"]) == 0
     assert "tandem" in capsys.readouterr().out
     assert main([]) == 2
+
+
+def test_managed_workers_get_the_step_budget_and_extra_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANDEM_WORKER_EXTRA_ARGS", "--num-gpu-blocks-override 9 --seed '7'")
+    monkeypatch.setenv("TANDEM_DECODE_STEP_TOKENS", "48")
+    stack = Stack.from_settings(TandemSettings(), PreparedModel(tmp_path, "smol", 2048))
+    [prefill] = [worker_argv(spec) for spec in stack.prefill.config.specs]
+    [decode] = [worker_argv(spec) for spec in stack.decode.config.specs]
+    for argv in (prefill, decode):
+        assert argv[-4:] == ["--num-gpu-blocks-override", "9", "--seed", "7"]
+    assert decode[decode.index("--max-num-batched-tokens") + 1] == "48"
+    assert "--max-num-batched-tokens" not in prefill  # prefill workers run no streams
+    monkeypatch.setenv("TANDEM_DECODE_STEP_TOKENS", "0")  # vLLM's own budget
+    stack = Stack.from_settings(TandemSettings(), PreparedModel(tmp_path, "smol", 2048))
+    assert all(
+        "--max-num-batched-tokens" not in worker_argv(spec) for spec in stack.decode.config.specs
+    )
