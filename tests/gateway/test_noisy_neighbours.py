@@ -121,11 +121,22 @@ async def _stream(
     return out
 
 
-async def _within(awaitable: Awaitable[T], what: str) -> T:
+async def _within(awaitable: Awaitable[T], what: str, stack: FakeStack | None = None) -> T:
+    """``awaitable``'s result; past the limit, an assertion naming where requests were stuck."""
     try:
         return await asyncio.wait_for(awaitable, SCENARIO_LIMIT_S)
     except TimeoutError:
-        raise AssertionError(f"{what} did not finish within {SCENARIO_LIMIT_S} s") from None
+        where = ""
+        if stack is not None:
+            text = (await stack.admin.get("/metrics")).text
+            gauges = [line for line in text.splitlines() if line.startswith("tandem_admission_")]
+            engines = {
+                f"{e.role}-{i}": (e.stats.num_running, e.stats.num_waiting)
+                for pool in (stack.prefills, stack.decodes)
+                for i, e in enumerate(pool)
+            }
+            where = f"; engines (running, waiting): {engines}; gateway: {gauges}"
+        raise AssertionError(f"{what} did not finish within {SCENARIO_LIMIT_S} s{where}") from None
 
 
 async def _ledger(stack: FakeStack) -> dict[str, dict[str, str]]:
@@ -181,7 +192,7 @@ async def test_an_interactive_storm_preempts_batch_streams_which_finish_intact(
             workers = asyncio.gather(*(batch_worker(w) for w in range(CAP)))
             return await asyncio.gather(workers, bursts())
 
-        batch_runs, interactive = await _within(scenario(), "the storm")
+        batch_runs, interactive = await _within(scenario(), "the storm", stack)
         batch = [o for run in batch_runs for o in run]
         decode = stack.decode
         preemptions = decode.stats.num_preemptions
@@ -257,8 +268,8 @@ async def test_a_batch_backlog_is_served_while_interactive_traffic_never_stops(
         bound_s = 5.0  # unloaded, the backlog takes under 0.5 s; here about 2 s
         served_in_time, _ = await asyncio.wait({backlog}, timeout=bound_s)
         stop.set()  # only now: the whole backlog ran against a steady interactive stream
-        interactive = [o for run in await _within(load, "the interactive load") for o in run]
-        batch = await _within(backlog, "the backlog, once the interactive load stopped")
+        interactive = [o for run in await _within(load, "the interactive load", stack) for o in run]
+        batch = await _within(backlog, "the backlog, once the interactive load stopped", stack)
         assert served_in_time, (
             f"the batch backlog starved: it did not finish within {bound_s} s while "
             f"{len(interactive)} interactive requests were served"
@@ -288,6 +299,7 @@ async def test_interactive_tenants_share_by_weight(tmp_path: Path) -> None:
         runs = await _within(
             asyncio.gather(*(worker(name, w) for name in weights for w in range(CAP + 2))),
             "the three tenants' load",
+            stack,
         )
         outcomes = [o for run in runs for o in run]
         for client in clients.values():
@@ -335,7 +347,7 @@ async def test_a_lone_batch_tenant_uses_the_whole_capacity(tmp_path: Path) -> No
         sampler = asyncio.create_task(sample())
         try:
             batch = await _within(
-                asyncio.gather(*(one(k) for k in range(2 * CAP))), "the batch tenant's load"
+                asyncio.gather(*(one(k) for k in range(2 * CAP))), "the batch tenant's load", stack
             )
         finally:
             sampler.cancel()
