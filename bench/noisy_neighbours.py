@@ -34,12 +34,15 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import httpx
 import openai
 import psutil
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.stats import percentile
 
 LIGHT_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name one colour."}]
 HEAVY_QUESTION: list[ChatCompletionMessageParam] = [
@@ -107,14 +110,6 @@ class FloodResult:
     def ratio(self) -> float:
         """Weight-3 : weight-1 served tokens."""
         return self.served["w3"] / self.served["w1"] if self.served["w1"] else float("nan")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (NaN for no values)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _kind(exc: openai.APIError) -> str:
@@ -216,63 +211,44 @@ async def flood(
             "light": await _new_tenant(admin, f"light-{suffix}", band=light_band),
         }
         workers = [w["url"] for w in (await admin.get("/ready")).json()["workers"]]
-        result = await _flood(
-            base, admin, names, keys, workers, model, light_band, light_rate, streams,
-            output_tokens, duration_s, warmup_s,
-        )  # fmt: skip
-    return result
-
-
-async def _flood(
-    base: str,
-    admin: httpx.AsyncClient,
-    names: dict[str, str],
-    keys: dict[str, str],
-    workers: list[str],
-    model: str,
-    light_band: str,
-    light_rate: float,
-    streams: int,
-    output_tokens: int,
-    duration_s: float,
-    warmup_s: float,
-) -> FloodResult:
-    # The heavy streams may queue for minutes by design; the SDK must not give up first.
-    clients = {
-        name: openai.AsyncOpenAI(
-            base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=duration_s + 600
-        )
-        for name, key in keys.items()
-    }
-    unloaded = await light_phase(clients["light"], model, light_rate, duration_s)
-    heavy = {"w1": TenantLoad(), "w3": TenantLoad()}
-    until = time.perf_counter() + warmup_s + duration_s
-    # Interleaved, so that neither tenant takes every free slot before the other arrives (VTC
-    # would then serve the other alone until their counters meet: correct, but not the steady
-    # state this measures).
-    tasks = [
-        asyncio.create_task(_heavy_stream(clients[name], model, output_tokens, until, heavy[name]))
-        for _ in range(streams)
-        for name in ("w1", "w3")
-    ]
-    await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
-    async with Profiler(base, workers) as profiler:
-        start = time.perf_counter()
-        occupancy = asyncio.create_task(_sample_occupancy(admin, names))
-        flooded = await light_phase(clients["light"], model, light_rate, duration_s)
-        end = time.perf_counter()
-        occupancy.cancel()
-        samples = await occupancy
-    await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
-    served = {name: load.served_in(start, end) for name, load in heavy.items()}
-    for client in clients.values():
-        await client.close()
-    profile = dict(profiler.report)
-    for name, (in_flight, queued) in samples.items():
-        profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
-            f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
-        )
-    return FloodResult(unloaded, flooded, heavy, end - start, served, profile)
+        # The heavy streams may queue for minutes by design; the SDK must not give up first.
+        clients = {
+            name: openai.AsyncOpenAI(
+                base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=duration_s + 600
+            )
+            for name, key in keys.items()
+        }
+        unloaded = await light_phase(clients["light"], model, light_rate, duration_s)
+        heavy = {"w1": TenantLoad(), "w3": TenantLoad()}
+        until = time.perf_counter() + warmup_s + duration_s
+        # Interleaved, so that neither tenant takes every free slot before the other arrives (VTC
+        # would then serve the other alone until their counters meet: correct, but not the steady
+        # state this measures).
+        tasks = [
+            asyncio.create_task(
+                _heavy_stream(clients[name], model, output_tokens, until, heavy[name])
+            )
+            for _ in range(streams)
+            for name in ("w1", "w3")
+        ]
+        await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
+        async with Profiler(base, workers) as profiler:
+            start = time.perf_counter()
+            occupancy = asyncio.create_task(_sample_occupancy(admin, names))
+            flooded = await light_phase(clients["light"], model, light_rate, duration_s)
+            end = time.perf_counter()
+            occupancy.cancel()
+            samples = await occupancy
+        await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
+        served = {name: load.served_in(start, end) for name, load in heavy.items()}
+        for client in clients.values():
+            await client.close()
+        profile = dict(profiler.report)
+        for name, (in_flight, queued) in samples.items():
+            profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
+                f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
+            )
+        return FloodResult(unloaded, flooded, heavy, end - start, served, profile)
 
 
 async def _sample_occupancy(
@@ -308,9 +284,12 @@ _WORKER_HISTOGRAMS = {
 }
 _WORKER_COUNTERS = {"vllm:num_preemptions_total": "vLLM preemptions"}
 
+Samples: TypeAlias = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""Histogram ``_sum``/``_count`` and counter ``_total`` samples by (name, labels but ``le``)."""
 
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+def _samples(text: str) -> Samples:
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
@@ -320,9 +299,14 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
+def _total(samples: Samples, name: str) -> float:
+    """A counter summed over its label sets (one per engine)."""
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
 def _means(
-    before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
-    after: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    before: Samples,
+    after: Samples,
     names: dict[str, str],
     keep: Iterable[str],
 ) -> dict[str, str]:
@@ -350,12 +334,12 @@ class Profiler:
         self._gateway = gateway
         self._workers = workers
         self._http = httpx.AsyncClient(timeout=10)
-        self._before: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        self._before: dict[str, Samples] = {}
         self._cpu_before: dict[int, tuple[str, float]] = {}
         self._started = 0.0
         self.report: dict[str, str] = {}
 
-    async def _scrape(self) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    async def _scrape(self) -> dict[str, Samples]:
         urls = [self._gateway, *self._workers]
         texts = await asyncio.gather(*(self._http.get(f"{url}/metrics") for url in urls))
         return {url: _samples(text.text) for url, text in zip(urls, texts, strict=True)}
@@ -380,10 +364,9 @@ class Profiler:
                 self._before[url], after[url], _WORKER_HISTOGRAMS, ()
             ).items():
                 report[f"{label.removesuffix(' {}')} (worker :{port})"] = value
-            for (name, _), total in after[url].items():
-                if name in _WORKER_COUNTERS:
-                    delta = total - sum(v for (n, _), v in self._before[url].items() if n == name)
-                    report[f"{_WORKER_COUNTERS[name]} (worker :{port})"] = f"{delta:.0f}"
+            for name, label in _WORKER_COUNTERS.items():
+                delta = _total(after[url], name) - _total(self._before[url], name)
+                report[f"{label} (worker :{port})"] = f"{delta:.0f}"
         busy: dict[str, float] = {}
         for pid, (name, seconds) in cpu_after.items():
             spent = seconds - self._cpu_before.get(pid, (name, seconds))[1]
@@ -415,7 +398,7 @@ def _role(proc: psutil.Process, me: psutil.Process) -> str | None:
     if proc.pid == me.pid:
         return "load generator (this bench)"
     cmdline = " ".join(proc.info.get("cmdline") or [])
-    if "tandem up" in cmdline or cmdline.endswith("tandem up"):
+    if "tandem up" in cmdline:
         return "gateway (tandem up)"
     for candidate in (proc, *proc.parents()):
         text = " ".join(candidate.cmdline())
@@ -438,9 +421,9 @@ def print_result(result: FloodResult, light_band: str) -> None:
     print("|---|---|---|---|---|---|")
     print(
         f"| {light_band} | {result.ratio:.2f} "
-        f"| {1000 * statistics.median(un):.0f} / {1000 * percentile(un, 0.95):.0f} ms "
-        f"| {1000 * statistics.median(fl):.0f} / {1000 * percentile(fl, 0.95):.0f} ms "
-        f"| {percentile(fl, 0.95) / percentile(un, 0.95):.2f} "
+        f"| {1000 * statistics.median(un):.0f} / {1000 * percentile(un, 95):.0f} ms "
+        f"| {1000 * statistics.median(fl):.0f} / {1000 * percentile(fl, 95):.0f} ms "
+        f"| {percentile(fl, 95) / percentile(un, 95):.2f} "
         f"| {len(un)}, {len(fl)} |"
     )
     print()
@@ -487,9 +470,9 @@ def main(argv: list[str] | None = None) -> None:
             "light_band": args.light_band,
             "ratio": result.ratio,
             "unloaded_p50_ms": 1000 * statistics.median(un),
-            "unloaded_p95_ms": 1000 * percentile(un, 0.95),
+            "unloaded_p95_ms": 1000 * percentile(un, 95),
             "flooded_p50_ms": 1000 * statistics.median(fl),
-            "flooded_p95_ms": 1000 * percentile(fl, 0.95),
+            "flooded_p95_ms": 1000 * percentile(fl, 95),
             "heavy_errors": {name: load.errors for name, load in result.heavy.items()},
         }
         json.dump(figures, sys.stdout)

@@ -29,7 +29,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.kv_transfer.common import filler_of, metric_sum, percentile
+from bench.kv_transfer.common import filler_of, metric_sum
+from bench.stats import percentile
 from core.messages import Endpoint, WorkerRole
 from core.prompt import Prompt
 from kv_transfer.affinity import prefix_key

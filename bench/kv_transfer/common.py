@@ -119,10 +119,3 @@ async def split_request(target: Target, body: dict[str, Any]) -> SplitTiming:
     prefill_s = time.perf_counter() - sent
     ttft, arrivals = await stream_times(target, target.decode, decode_leg_body(body, handle), sent)
     return SplitTiming(prefill_s, ttft, arrivals)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]

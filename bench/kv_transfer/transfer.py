@@ -32,11 +32,11 @@ from bench.kv_transfer.common import (
     chat,
     count_tokens,
     metric_sum,
-    percentile,
     prompt_of,
     split_request,
     stream_times,
 )
+from bench.stats import percentile
 
 SIZES = (256, 1024, 2048, 4096)
 

@@ -11,8 +11,9 @@ import pytest
 
 from bench.kv_transfer import affinity
 from bench.kv_transfer.affinity import Workload, affinity_policy, round_robin_policy
-from bench.kv_transfer.common import SplitTiming, percentile
+from bench.kv_transfer.common import SplitTiming
 from bench.kv_transfer.transfer import SizeRow
+from bench.stats import percentile
 from core.messages import WorkerRole
 from kv_transfer.decider import DeciderConfig
 from workers.registry import Worker

@@ -6,6 +6,8 @@ Teardown is a test of its own: SIGTERM to ``tandem up`` must leave no process be
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import re
 import signal
@@ -15,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -54,6 +57,20 @@ class LiveStack:
             issued = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
             assert issued.status_code == 201, issued.text
             return str(issued.json()["key"])
+
+
+def ledger_rows(live_stack: LiveStack, tenant: str | None = None) -> list[dict[str, str]]:
+    """The ledger's per-request rows of this session (of ``tenant`` only, if given), in the
+    store's order; the export flushes pending records first."""
+    today = datetime.now(UTC).date()
+    params = {"from": str(today - timedelta(days=1)), "to": str(today + timedelta(days=2)),
+              "kind": "requests", "format": "csv"}  # fmt: skip
+    if tenant is not None:
+        params["tenant"] = tenant
+    with live_stack.admin as admin:
+        response = admin.get("/admin/v1/billing/export", params=params, timeout=60)
+    assert response.status_code == 200, response.text
+    return list(csv.DictReader(io.StringIO(response.text)))
 
 
 def worker_gauge(worker_url: str, name: str) -> float:

@@ -3,29 +3,15 @@ gets recorded and priced, for streamed and non-streamed requests."""
 
 from __future__ import annotations
 
-import csv
-import io
-from datetime import UTC, datetime, timedelta
-
 import openai
 import pytest
 
-from tests.e2e.conftest import LiveStack
+from tests.e2e.conftest import LiveStack, ledger_rows
 
 pytestmark = pytest.mark.e2e
 
 # Long enough to fill prefix-cache blocks, so the repeat is served partly from vLLM's cache.
 PROMPT = [{"role": "user", "content": "Summarise this: " + "the quick brown fox jumps. " * 60}]
-
-
-def _rows(live_stack: LiveStack, tenant: str) -> list[dict[str, str]]:
-    today = datetime.now(UTC).date()
-    params = {"from": str(today - timedelta(days=1)), "to": str(today + timedelta(days=2)),
-              "tenant": tenant, "kind": "requests", "format": "csv"}  # fmt: skip
-    with live_stack.admin as admin:
-        response = admin.get("/admin/v1/billing/export", params=params)
-    assert response.status_code == 200, response.text
-    return list(csv.DictReader(io.StringIO(response.text)))
 
 
 def test_real_usage_is_recorded_and_priced(live_stack: LiveStack) -> None:
@@ -37,7 +23,7 @@ def test_real_usage_is_recorded_and_priced(live_stack: LiveStack) -> None:
         max_tokens=8,
         temperature=0,  # type: ignore[arg-type]
     )
-    (row,) = _rows(live_stack, "billing-e2e")
+    (row,) = ledger_rows(live_stack, "billing-e2e")
     version = row["model_version"]
     assert version.startswith("smollm2")  # the prepared folder: name + content hash
     assert first.usage is not None
@@ -54,7 +40,7 @@ def test_real_usage_is_recorded_and_priced(live_stack: LiveStack) -> None:
         stream=True, stream_options={"include_usage": True},
     )  # fmt: skip
     usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
-    rows = _rows(live_stack, "billing-e2e")
+    rows = ledger_rows(live_stack, "billing-e2e")
     assert len(rows) == 2
     second = rows[1]
     cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0

@@ -12,27 +12,18 @@ to assert: docs/ARCHITECTURE.md says what bounds it on this machine).
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
-from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from bench.noisy_neighbours import FloodResult, flood, print_result
-from tests.e2e.conftest import ADMIN_KEY, LiveStack
+from tests.e2e.conftest import ADMIN_KEY, LiveStack, ledger_rows
 
 pytestmark = pytest.mark.e2e
 
 
 def _ledger(live_stack: LiveStack) -> dict[str, dict[str, str]]:
-    """Every billed request of the session, by request id (the export flushes first)."""
-    today = datetime.now(UTC).date()
-    params = {"from": str(today - timedelta(days=1)), "to": str(today + timedelta(days=2)),
-              "kind": "requests", "format": "csv"}  # fmt: skip
-    with live_stack.admin as admin:
-        response = admin.get("/admin/v1/billing/export", params=params, timeout=60)
-    assert response.status_code == 200, response.text
-    rows = list(csv.DictReader(io.StringIO(response.text)))
+    """Every billed request of the session, by request id."""
+    rows = ledger_rows(live_stack)
     by_id = {row["request_id"]: row for row in rows}
     assert len(by_id) == len(rows), "a request id billed twice"
     return by_id
