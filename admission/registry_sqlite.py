@@ -1,14 +1,10 @@
 """``TenantRegistry`` in a local SQLite file: the embedded default, for a single gateway host.
 
-Lifecycle: ``SqliteTenantRegistry(path)`` does no I/O. ``await start()`` opens the file (creating
-its parent folders, switching to WAL and migrating the schema) so that a bad path fails at
-startup; a registry not started opens itself on its first call. ``aclose()`` closes it for good.
-
-Every call runs in a worker thread over one connection; a ``threading.Lock`` taken inside the
-thread serializes them (an ``asyncio.Lock`` would be released by a cancelled caller while its
-thread still used the connection). Writes run in ``BEGIN IMMEDIATE`` transactions, so a second
-process on the same file (a CLI beside the gateway) waits for the write lock instead of
-interleaving a read-then-write; WAL lets its readers proceed meanwhile.
+The file is a ``core.sqlite.SqliteFile``; its module docstring tells the lifecycle (no I/O until
+``start()`` or the first call; ``aclose()`` for good), the threading (one connection, calls
+serialized in worker threads) and the ``BEGIN IMMEDIATE`` writes, so a second process on the same
+file (a CLI beside the gateway) waits for the write lock instead of interleaving a
+read-then-write. Foreign keys are on, so deleting a tenant deletes its keys.
 
 The schema version lives in ``PRAGMA user_version``; ``_MIGRATIONS[n]`` takes version ``n`` to
 ``n + 1``. A file from a newer gateway is refused rather than misread.
@@ -16,15 +12,12 @@ The schema version lives in ``PRAGMA user_version``; ``_MIGRATIONS[n]`` takes ve
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from admission.plan_codec import plan_from_dict, plan_to_dict
 from admission.plans import Plan
@@ -39,12 +32,7 @@ from admission.tenants import (
     new_id,
     new_key_secret,
 )
-from core.sqlite import enable_wal
-
-_T = TypeVar("_T")
-
-BUSY_TIMEOUT_S = 5.0
-"""How long a write waits for another process's write lock before giving up."""
+from core.sqlite import SqliteFile, transaction
 
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
@@ -83,14 +71,17 @@ class SqliteTenantRegistry:
     """Tenants and keys in one SQLite file; see the module docstring for the lifecycle."""
 
     def __init__(self, path: Path) -> None:
-        self._path = path
-        self._conn: sqlite3.Connection | None = None
-        self._closed = False
-        self._lock = threading.Lock()
+        self._file = SqliteFile(
+            path,
+            what="tenant registry",
+            migrations=_MIGRATIONS,
+            unavailable=StoreUnavailable,
+            pragmas=("PRAGMA foreign_keys = ON",),
+        )
 
     async def start(self) -> None:
         """Open the file now (folders, WAL, schema); ``StoreUnavailable`` if it cannot be."""
-        await self._run(lambda conn: None)
+        await self._file.start()
 
     async def create_tenant(self, name: str, plan: Plan) -> Tenant:
         """Create a tenant; ``TenantExistsError`` if the name is taken."""
@@ -98,7 +89,7 @@ class SqliteTenantRegistry:
         tenant = Tenant(new_id("ten"), name, plan, created_at=now, updated_at=now)
 
         def insert(conn: sqlite3.Connection) -> None:
-            with _transaction(conn):
+            with transaction(conn):
                 # Checked inside the write transaction rather than read off an IntegrityError,
                 # whose message is not an interface.
                 if conn.execute("SELECT 1 FROM tenants WHERE name = ?", (name,)).fetchone():
@@ -109,7 +100,7 @@ class SqliteTenantRegistry:
                     (tenant.tenant_id, name, _plan_json(plan), now, now),
                 )
 
-        await self._run(insert)
+        await self._file.run(insert)
         return tenant
 
     async def list_tenants(self) -> list[Tenant]:
@@ -119,22 +110,22 @@ class SqliteTenantRegistry:
             rows = conn.execute(f"SELECT {_TENANT_COLUMNS} FROM tenants t ORDER BY t.name")
             return [_tenant(row) for row in rows]
 
-        return await self._run(select)
+        return await self._file.run(select)
 
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
         """One tenant by id."""
-        return await self._run(lambda conn: _get_tenant(conn, "tenant_id", tenant_id))
+        return await self._file.run(lambda conn: _get_tenant(conn, "tenant_id", tenant_id))
 
     async def find_tenant(self, name: str) -> Tenant | None:
         """One tenant by name."""
-        return await self._run(lambda conn: _get_tenant(conn, "name", name))
+        return await self._file.run(lambda conn: _get_tenant(conn, "name", name))
 
     async def update_tenant(self, tenant_id: str, plan: Plan) -> Tenant:
         """Replace a tenant's plan; ``UnknownTenantError`` if there is none."""
         now = time.time()
 
         def update(conn: sqlite3.Connection) -> Tenant:
-            with _transaction(conn):
+            with transaction(conn):
                 conn.execute(
                     "UPDATE tenants SET plan_json = ?, updated_at = ? WHERE tenant_id = ?",
                     (_plan_json(plan), now, tenant_id),
@@ -144,19 +135,19 @@ class SqliteTenantRegistry:
                 raise UnknownTenantError(tenant_id)
             return tenant
 
-        return await self._run(update)
+        return await self._file.run(update)
 
     async def delete_tenant(self, tenant_id: str) -> None:
         """Delete a tenant and every key of it; ``UnknownTenantError`` if there is none."""
 
         def delete(conn: sqlite3.Connection) -> None:
-            with _transaction(conn):
+            with transaction(conn):
                 # The keys go by ON DELETE CASCADE (foreign_keys is on for this connection).
                 cursor = conn.execute("DELETE FROM tenants WHERE tenant_id = ?", (tenant_id,))
             if cursor.rowcount == 0:
                 raise UnknownTenantError(tenant_id)
 
-        await self._run(delete)
+        await self._file.run(delete)
 
     async def issue_key(self, tenant_id: str, name: str) -> IssuedKey:
         """A new key for a tenant; ``UnknownTenantError`` if there is none."""
@@ -171,7 +162,7 @@ class SqliteTenantRegistry:
         )
 
         def insert(conn: sqlite3.Connection) -> None:
-            with _transaction(conn):
+            with transaction(conn):
                 if _get_tenant(conn, "tenant_id", tenant_id) is None:
                     raise UnknownTenantError(tenant_id)
                 conn.execute(
@@ -180,7 +171,7 @@ class SqliteTenantRegistry:
                     (key.key_id, tenant_id, name, key.display_prefix, key.key_hash, key.created_at),
                 )
 
-        await self._run(insert)
+        await self._file.run(insert)
         return IssuedKey(key=key, plaintext=plaintext)
 
     async def list_keys(self, tenant_id: str) -> list[ApiKey]:
@@ -194,7 +185,7 @@ class SqliteTenantRegistry:
             )
             return [_key(row) for row in rows]
 
-        return await self._run(select)
+        return await self._file.run(select)
 
     async def revoke_key(self, key_id: str) -> ApiKey:
         """Revoke a key (idempotent: the first revocation time is kept);
@@ -202,7 +193,7 @@ class SqliteTenantRegistry:
         now = time.time()
 
         def revoke(conn: sqlite3.Connection) -> ApiKey:
-            with _transaction(conn):
+            with transaction(conn):
                 conn.execute(
                     "UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
                     (now, key_id),
@@ -214,7 +205,7 @@ class SqliteTenantRegistry:
                 raise UnknownKeyError(key_id)
             return _key(row)
 
-        return await self._run(revoke)
+        return await self._file.run(revoke)
 
     async def lookup_key(self, key_hash: str) -> tuple[ApiKey, Tenant] | None:
         """The key with that hash and its tenant (revoked keys included: the caller decides)."""
@@ -229,7 +220,7 @@ class SqliteTenantRegistry:
                 return None
             return _key(row[:8]), _tenant(row[8:])
 
-        return await self._run(select)
+        return await self._file.run(select)
 
     async def touch_keys(self, last_used: dict[str, float]) -> None:
         """Record last-used times (key id -> Unix seconds), batched by the caller; a time
@@ -241,88 +232,18 @@ class SqliteTenantRegistry:
         rows = [(float(at), key_id) for key_id, at in last_used.items()]
 
         def update(conn: sqlite3.Connection) -> None:
-            with _transaction(conn):
+            with transaction(conn):
                 conn.executemany(
                     "UPDATE api_keys SET last_used_at = MAX(COALESCE(last_used_at, ?1), ?1)"
                     " WHERE key_id = ?2",
                     rows,
                 )
 
-        await self._run(update)
+        await self._file.run(update)
 
     async def aclose(self) -> None:
         """Close the file; later calls raise ``StoreUnavailable``. Idempotent."""
-        await asyncio.to_thread(self._close)
-
-    def _close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conn, self._conn = self._conn, None
-            if conn is not None:
-                conn.close()
-
-    async def _run(self, work: Callable[[sqlite3.Connection], _T]) -> _T:
-        return await asyncio.to_thread(self._locked, work)
-
-    def _locked(self, work: Callable[[sqlite3.Connection], _T]) -> _T:
-        with self._lock:
-            if self._closed:
-                raise StoreUnavailable(f"tenant registry {self._path} is closed")
-            try:
-                if self._conn is None:
-                    self._conn = _connect(self._path)
-                return work(self._conn)
-            except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
-                raise  # a bug in this module, not an unavailable store
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreUnavailable(f"tenant registry {self._path}: {exc!r}") from exc
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # isolation_level=None: no implicit transactions; _transaction() says where they are.
-    conn = sqlite3.connect(
-        path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-    )
-    try:
-        enable_wal(conn, BUSY_TIMEOUT_S)
-        # In WAL mode NORMAL loses at most the last commits on power loss, never consistency.
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        _migrate(conn, path)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _migrate(conn: sqlite3.Connection, path: Path) -> None:
-    with _transaction(conn):
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > SCHEMA_VERSION:
-            raise StoreUnavailable(
-                f"tenant registry {path} has schema version {version}, newer than this "
-                f"gateway's {SCHEMA_VERSION}: upgrade the gateway or point it at another file"
-            )
-        for statements in _MIGRATIONS[version:]:
-            for statement in statements:
-                conn.execute(statement)
-        if version < SCHEMA_VERSION:
-            # PRAGMA takes no parameters; SCHEMA_VERSION is an int of this module.
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
-        # A failed COMMIT leaves the transaction open; the connection must not keep it.
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
+        await self._file.aclose()
 
 
 def _plan_json(plan: Plan) -> str:

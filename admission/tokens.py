@@ -12,6 +12,7 @@ request is split across a prefill and a decode worker (``kv_transfer.decider``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from tokenizers import Tokenizer
 
 from core.messages import Endpoint
 from core.prompt import Prompt, TokenEstimate
+
+log = logging.getLogger("tandem.admission")
 
 # The chat template wraps each message (``<|im_start|>role\n ... <|im_end|>\n`` and the like)
 # and primes the reply; OpenAI's own cookbook counts 3-4 tokens per message plus 3.
@@ -55,6 +58,36 @@ class TokenizerCounter:
 
     def count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class TokenCounters:
+    """Each model folder's tokenizer, loaded once and off the event loop: every version counts
+    its prompts with its own (versions may differ in their tokenizers)."""
+
+    def __init__(self, default: TokenCounter, default_dir: Path | None = None) -> None:
+        """``default`` counts for a model without a folder (external workers); it is
+        ``default_dir``'s tokenizer, when it has one (not loaded a second time)."""
+        self._default = default
+        self._by_dir: dict[Path, TokenCounter] = {}
+        if default_dir is not None:
+            self._by_dir[default_dir] = default
+
+    async def for_dir(self, model_dir: Path | None) -> TokenCounter:
+        """The counter of ``model_dir``'s tokenizer (the character estimate without one)."""
+        if model_dir is None:
+            return self._default
+        counter = self._by_dir.get(model_dir)
+        if counter is None:
+            # Two first requests may both load it: the same tokenizer, one kept.
+            try:
+                loaded = await asyncio.to_thread(TokenizerCounter.for_model, model_dir)
+            except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+                # An estimate, not an answer: a tokenizer it cannot read must not fail requests.
+                log.error("cannot read %s/tokenizer.json (%s); counting 4 characters a token",
+                          model_dir, exc)  # fmt: skip
+                loaded = CharCounter()
+            counter = self._by_dir.setdefault(model_dir, loaded)
+        return counter
 
 
 class CharCounter:

@@ -60,6 +60,7 @@ from gateway.assembly.stores import StoreConfig
 from gateway.serving.content_policy import ModerationSetup
 from gateway.serving.upstream import UpstreamConfig
 from moderation.stream import StreamConfig
+from workers.deployments import Deployment, Deployments
 from workers.pool import PoolConfig, WorkerPool
 
 PROMPTS = (
@@ -131,7 +132,8 @@ async def serve(args: argparse.Namespace) -> None:
                 default_policy=OUTPUT_POLICY if args.moderation else ModerationPolicy()
             ),
         )
-        app = create_app(config, prefill, decode, [ServedModel(MODEL, MAX_MODEL_LEN, 0)])
+        deployment = Deployment(ServedModel(MODEL, MAX_MODEL_LEN, 0), prefill, decode)
+        app = create_app(config, Deployments([deployment]))
         # IPPROTO_TCP spelled out: the stdlib loop sets TCP_NODELAY only on sockets whose proto
         # says TCP (uvloop always does); with Nagle on, the events of a stream on a reused
         # connection would wait ~40 ms for the client's delayed ACK.

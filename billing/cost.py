@@ -118,6 +118,14 @@ class _Bucket:
         return totals
 
 
+def _checked(worker: WorkerCost) -> WorkerCost:
+    if worker.micros_per_hour < 0:
+        raise ValueError(
+            f"worker {worker.worker!r}: micros_per_hour must be >= 0, got {worker.micros_per_hour}"
+        )
+    return worker
+
+
 class CostMeter:
     """Busy and provisioned cost against tokens served, per deployment version and window."""
 
@@ -133,12 +141,7 @@ class CostMeter:
         for worker in workers:
             if worker.worker in self._workers:
                 raise ValueError(f"worker {worker.worker!r} is priced twice: keep one entry")
-            if worker.micros_per_hour < 0:
-                raise ValueError(
-                    f"worker {worker.worker!r}: micros_per_hour must be >= 0, "
-                    f"got {worker.micros_per_hour}"
-                )
-            self._workers[worker.worker] = worker
+            self._workers[worker.worker] = _checked(worker)
         if not windows_s or any(not w > 0 for w in windows_s):
             raise ValueError(f"windows_s must be positive seconds, got {list(windows_s)}")
         self._windows_s = tuple(sorted(set(windows_s)))
@@ -151,6 +154,11 @@ class CostMeter:
     def windows_s(self) -> tuple[float, ...]:
         """The windows reported, shortest first."""
         return self._windows_s
+
+    def add_worker(self, worker: WorkerCost) -> None:
+        """Price a worker deployed after the meter was built (a new version's)."""
+        with self._lock:
+            self._workers[worker.worker] = _checked(worker)
 
     def has_worker(self, worker: str) -> bool:
         """Whether ``worker`` has a price (``observe_busy`` refuses the others)."""
@@ -202,23 +210,35 @@ class CostMeter:
             acc.num_tokens += num_tokens
             acc.charged_micros += charged_micros
 
-    def snapshot(self, now: float | None = None) -> list[CostFigure]:
+    def snapshot(
+        self, now: float | None = None, windows_s: Sequence[float] | None = None
+    ) -> list[CostFigure]:
         """One figure per (deployment, model_version, window), sorted; every priced deployment
-        appears, with zeros when idle."""
+        appears, with zeros when idle. ``windows_s``: other windows than the meter's (a
+        rollout step's age), each at most the longest of the meter's, which bounds what it
+        keeps."""
         now = self._clock() if now is None else now
+        if windows_s is None:
+            spans = self._windows_s
+        else:
+            spans = tuple(sorted(set(windows_s)))
+            if not spans or not all(0 < w <= self._windows_s[-1] for w in spans):
+                raise ValueError(
+                    f"windows_s must be positive seconds up to {self._windows_s[-1]:g}"
+                )
         keys = {(w.deployment, w.model_version) for w in self._workers.values()}
-        sums = {(key, window): _Totals() for key in keys for window in self._windows_s}
+        sums = {(key, window): _Totals() for key in keys for window in spans}
         with self._lock:
             self._expire(now)
             for bucket in reversed(self._buckets):  # newest first, so each window stops early
                 if bucket.second > now:
                     continue
-                windows = [w for w in self._windows_s if bucket.second > now - w]
+                windows = [w for w in spans if bucket.second > now - w]
                 if not windows:
                     break
                 for key, totals in bucket.totals.items():
                     if (key, windows[0]) not in sums:  # tokens of a deployment without a price
-                        sums.update({(key, w): _Totals() for w in self._windows_s})
+                        sums.update({(key, w): _Totals() for w in spans})
                     for window in windows:
                         sums[(key, window)].add(totals)
             first_at = self._first_at

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from billing.budgets import BudgetGuard, BudgetStatus
-from billing.cost import CostMeter
+from billing.cost import CostMeter, WorkerCost
 from billing.prices import PriceBook, PriceCard, PriceError
 from billing.records import UsageRecord, from_unix_us
 from billing.sql_store import open_store
@@ -82,6 +82,10 @@ class BillingConfig:
         """Micro-units per hour of ``worker``."""
         return dict(self.worker_micros_per_hour_by_name).get(worker, self.worker_micros_per_hour)
 
+    def worker_cost(self, worker: str, deployment: str, model_version: str) -> WorkerCost:
+        """``worker``'s price as the cost meter keys it: under the version it serves."""
+        return WorkerCost(worker, deployment, model_version, self.worker_price(worker))
+
 
 @dataclass(slots=True)
 class AlertStats:
@@ -115,6 +119,23 @@ class Billing:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_purge_us: int | None = None
+
+    def price_worker(
+        self,
+        worker: str,
+        deployment: str,
+        model_version: str,
+        micros_per_hour: int | None = None,
+    ) -> None:
+        """Measure the cost of a worker deployed after start (a new version's), at
+        ``micros_per_hour`` (what its deployment was given: other hardware) or else its
+        configured price; nothing without a cost meter."""
+        if self.cost_meter is None:
+            return
+        cost = self.config.worker_cost(worker, deployment, model_version)
+        if micros_per_hour is not None:
+            cost = WorkerCost(worker, deployment, model_version, micros_per_hour)
+        self.cost_meter.add_worker(cost)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from core.messages import Endpoint, ServingPath, Usage
 from core.models import ServedModel
-from core.moderation import ModerationDecision
+from core.moderation import Action, ModerationDecision
 from core.prompt import Prompt, TokenEstimate
 
 
@@ -103,6 +103,8 @@ class Request:
     ``continuous_usage_stats``) when the stream was cut, so what was produced is billed."""
     moderation: list[ModerationDecision] = field(default_factory=list)
     """Every moderation decision taken on this request (input and output, flags included)."""
+    resolved_by: str | None = None
+    """Why its model resolved to this version (``gateway.catalog.Resolved.reason``)."""
     finish_reason: str | None = None
     error_code: str | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -292,6 +294,12 @@ class Request:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     @property
+    def response_id(self) -> str:
+        """The id clients see: the gateway's request id, the same on every chunk and retry."""
+        prefix = "chatcmpl" if self.endpoint is Endpoint.CHAT else "cmpl"
+        return f"{prefix}-{self.request_id}"
+
+    @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started_at
 
@@ -302,6 +310,37 @@ class Request:
         if self.first_token_at is None or self.decode_sent_at is None:
             return None
         return self.first_token_at - self.decode_sent_at
+
+    @property
+    def output_tokens(self) -> int:
+        """What it produced: the engine's count, else the content chunks relayed (a stream
+        cut before the engine's usage)."""
+        return self.usage.completion_tokens if self.usage else self.num_streamed_tokens
+
+    @property
+    def input_tokens(self) -> int:
+        """Its prompt: the engine's count, else admission's estimate (0 before admission)."""
+        if self.usage is not None:
+            return self.usage.prompt_tokens
+        return self.estimate.prompt_tokens if self.estimate is not None else 0
+
+    @property
+    def moderation_action(self) -> str | None:
+        """The strictest moderation action taken on it; None when everything was allowed."""
+        taken = [d.action for d in self.moderation if d.action is not Action.ALLOW]
+        return max(taken, key=lambda action: action.severity).value if taken else None
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean time between output tokens of a stream after its first (vLLM's TPOT)."""
+        if (
+            self.first_token_at is None
+            or self.finished_at is None
+            or not self.stream
+            or self.num_streamed_tokens < 2
+        ):
+            return None
+        return (self.finished_at - self.first_token_at) / (self.num_streamed_tokens - 1)
 
     @property
     def e2e_s(self) -> float | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -184,8 +185,9 @@ class AdminAuth:
         self._admin_key = admin_key
         self._authenticator = authenticator
 
-    async def check(self, authorization: str | None) -> None:
-        """Pass for the admin key; 403 for a tenant key; 401 otherwise."""
+    async def check(self, authorization: str | None) -> str:
+        """The admin's id for the audit log (``admin-`` and 8 hex of the key's SHA-256) for
+        the admin key; 403 for a tenant key; 401 otherwise."""
         token = bearer_token(authorization)
         if self._admin_key is None:
             raise AuthenticationError(
@@ -194,7 +196,7 @@ class AdminAuth:
                 code="admin_api_disabled",
             )
         if token is not None and secrets.compare_digest(token, self._admin_key):
-            return
+            return "admin-" + hashlib.sha256(token.encode()).hexdigest()[:8]
         if token is not None and await self._authenticator.is_tenant_key(token):
             raise PermissionDeniedError(
                 "Tenant API keys cannot use the admin API; use the admin key "

@@ -2,49 +2,97 @@
 
 One registry per app (not prometheus_client's global one), so several gateways can live in one
 process (tests) without colliding.
+
+Two families of request metrics live side by side: Tandem's own ``tandem_*`` series (dashboards
+and tests read them; their names and labels do not change) and the OpenTelemetry GenAI server
+instruments (``gen_ai_server_*``) as OTel's Prometheus naming spells them, with the conventions'
+bucket advice, so off-the-shelf GenAI dashboards work on Tandem too. Their latency observations
+carry the request's W3C trace id as an exemplar when the caller knows it.
+
+Exemplars exist only in the OpenMetrics text format: ``expose`` answers it when the scrape's
+``Accept`` asks for it, else the classic text format. Text appended after the registry's own
+(the workers' re-exported counters, ``workers/scrape.py``) is parsed into metric families for
+OpenMetrics, whose document must name counters and end (``# EOF``) its own way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from admission.admitter import Admitter
 from core.messages import ServingPath
-from core.moderation import ModerationDecision
-from core.request import Request
+from core.moderation import Action, ModerationDecision
+from core.request import Request, RequestPhase
+from telemetry.otlp_metrics import (
+    DURATION_BUCKETS_S,
+    OTHER_ERROR,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    OtlpGenAiMetrics,
+)
+from telemetry.request_trace import operation_name
 from workers.registry import WorkerSource
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # 1 MiB to 4 GiB: one 16-token block of a small model up to long prompts of large ones.
 _KV_BYTES_BUCKETS = tuple(float(1 << power) for power in range(20, 33))
 
+_GENAI_LABELS = (
+    "gen_ai_operation_name", "gen_ai_request_model", "tandem_version", "tandem_path",
+    "tandem_tenant",
+)  # fmt: skip
+# gateway.auth.ANONYMOUS's id (auth off); the layers contract keeps this module from importing it.
+_ANONYMOUS_TENANT = "anonymous"
+
+OPENMETRICS_CONTENT_TYPE: str = openmetrics.CONTENT_TYPE_LATEST
+"""``application/openmetrics-text; version=1.0.0; charset=utf-8``."""
+
 
 class GatewayMetrics:
-    """Per-request counters and latencies, plus the workers' live state at scrape time."""
+    """Per-request counters and latencies, plus the workers' live state at scrape time.
 
-    def __init__(self, pools: Sequence[WorkerSource]) -> None:
+    ``max_tenant_labels`` bounds the ``tandem_tenant`` label of the GenAI series: the first
+    that many tenants seen get their own value, later ones share ``other`` (a label value per
+    tenant would make the series count grow with the customer list).
+    """
+
+    def __init__(self, pools: Sequence[WorkerSource], max_tenant_labels: int = 100) -> None:
         self.registry = CollectorRegistry()
+        self._tenants = _TenantLabels(max_tenant_labels)
+        self._otlp: OtlpGenAiMetrics | None = None
         self._requests = Counter(
             "tandem_requests",
-            "Requests by serving path, why it was chosen, and how they ended.",
-            ("path", "reason", "outcome"),
+            "Requests by serving path, why it was chosen, how they ended, and the alias and "
+            "version that served them.",
+            ("path", "reason", "outcome", "model", "version"),
             registry=self.registry,
         )
         self._tokens = Counter(
             "tandem_tokens",
-            "Tokens the engines reported, by kind (prompt or completion).",
-            ("kind",),
+            "Tokens the engines reported, by kind (prompt or completion), alias and version.",
+            ("kind", "model", "version"),
             registry=self.registry,
         )
         self._ttft = Histogram(
             "tandem_time_to_first_token_seconds",
             "From request received to the first output reaching the client, by serving path "
-            "and priority band.",
-            ("path", "band"),
+            "and priority band, per version.",
+            ("path", "band", "version"),
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -59,8 +107,8 @@ class GatewayMetrics:
         )
         self._e2e = Histogram(
             "tandem_request_duration_seconds",
-            "From request received to its end, whatever the outcome.",
-            ("path",),
+            "From request received to its end, whatever the outcome, per version.",
+            ("path", "version"),
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -130,7 +178,66 @@ class GatewayMetrics:
             ("outcome",),
             registry=self.registry,
         )
+        self._finish_reasons = Counter(
+            "tandem_finish_reasons",
+            "Finished requests by the engine's finish reason ('none' when it gave none), alias "
+            "and version (the rollout gates' finish-reason drift).",
+            ("model", "version", "finish_reason"),
+            registry=self.registry,
+        )
+        self._moderation_blocked = Counter(
+            "tandem_moderation_blocked_requests",
+            "Admitted requests a moderation block cut short, by alias and version (the rollout "
+            "gates' block rate; input refused before admission is in "
+            "tandem_moderation_decisions).",
+            ("model", "version"),
+            registry=self.registry,
+        )
+        self._init_genai()
         self.registry.register(_WorkerCollector(pools))
+
+    def _init_genai(self) -> None:
+        """The OTel GenAI server instruments (semantic conventions for generative AI metrics),
+        named as OTel's Prometheus exporter converts them (dots to underscores, ``_seconds``
+        for unit ``s``, none for ``{token}``)."""
+        self._genai_ttft = Histogram(
+            "gen_ai_server_time_to_first_token",
+            "gen_ai.server.time_to_first_token: from request received to its first output token "
+            "reaching the client.",
+            _GENAI_LABELS,
+            unit="seconds",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._genai_tpot = Histogram(
+            "gen_ai_server_time_per_output_token",
+            "gen_ai.server.time_per_output_token: a stream's mean time between output tokens "
+            "after its first.",
+            _GENAI_LABELS,
+            unit="seconds",
+            buckets=TPOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._genai_duration = Histogram(
+            "gen_ai_server_request_duration",
+            "gen_ai.server.request.duration: from request received to its end, by outcome "
+            "(finished, failed, aborted) and error type (empty unless failed).",
+            (*_GENAI_LABELS, "tandem_outcome", "error_type"),
+            unit="seconds",
+            buckets=DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        # The conventions define token usage only as the client instrument
+        # gen_ai.client.token.usage; the gateway measures the same thing server-side, so it uses
+        # that instrument's shape and buckets under the server namespace.
+        self._genai_tokens = Histogram(
+            "gen_ai_server_token_usage",
+            "Tokens per request as the engine counted them, by gen_ai_token_type (input, "
+            "output): gen_ai.client.token.usage's shape and buckets, measured by the server.",
+            (*_GENAI_LABELS, "gen_ai_token_type"),
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
 
     def watch_admission(self, admitter: Admitter) -> None:
         """Export the admission queue's live length and in-flight count."""
@@ -173,22 +280,57 @@ class GatewayMetrics:
     def observe_charged(self, tenant: str, num_tokens: int) -> None:
         self._tenant_tokens.labels(tenant).inc(num_tokens)
 
-    def observe_end(self, request: Request, band: str) -> None:
+    def observe_end(self, request: Request, band: str, *, trace_id: str | None = None) -> None:
         """Record a request that reached a terminal phase (call exactly once per request);
-        ``band`` is the priority band it was admitted in."""
+        ``band`` is the priority band it was admitted in. ``trace_id`` (the W3C trace id, 32
+        lowercase hex) becomes the exemplar of its GenAI latency observations, so a slow bucket
+        links to a trace of a request in it."""
         path = str(request.path or "none")
         outcome = request.phase.name.lower()
-        self._requests.labels(path, request.path_reason or "none", outcome).inc()
+        alias, version = request.model.name, request.model.version_name
+        self._requests.labels(path, request.path_reason or "none", outcome, alias, version).inc()
         if request.ttft_s is not None:
-            self._ttft.labels(path, band).observe(request.ttft_s)
+            self._ttft.labels(path, band, version).observe(request.ttft_s)
         if request.stream and request.num_streamed_tokens > 1:
             self._longest_pause.labels(band).observe(request.longest_pause_s)
         if request.e2e_s is not None:
-            self._e2e.labels(path).observe(request.e2e_s)
+            self._e2e.labels(path, version).observe(request.e2e_s)
         self._observe_route(request, path)
         if request.usage is not None:
-            self._tokens.labels("prompt").inc(request.usage.prompt_tokens)
-            self._tokens.labels("completion").inc(request.usage.completion_tokens)
+            self._tokens.labels("prompt", alias, version).inc(request.usage.prompt_tokens)
+            self._tokens.labels("completion", alias, version).inc(request.usage.completion_tokens)
+        if request.phase is RequestPhase.FINISHED:
+            self._finish_reasons.labels(alias, version, request.finish_reason or "none").inc()
+        if request.moderation_action == Action.BLOCK.value:
+            self._moderation_blocked.labels(alias, version).inc()
+        self._observe_genai(request, path, trace_id)
+
+    def export_over_otlp(self, otlp: OtlpGenAiMetrics) -> None:
+        """Record the GenAI instruments over OTLP as well (telemetry/otlp_metrics.py)."""
+        self._otlp = otlp
+
+    def _observe_genai(self, request: Request, path: str, trace_id: str | None) -> None:
+        tenant = self._tenants.label(request.tenant_id)
+        if self._otlp is not None:
+            self._otlp.observe(request, path, tenant)
+        labels = (
+            operation_name(request.endpoint), request.model.name, request.model.version_name,
+            path, tenant,
+        )  # fmt: skip
+        exemplar = {"trace_id": trace_id} if trace_id is not None else None
+        if request.ttft_s is not None:
+            self._genai_ttft.labels(*labels).observe(request.ttft_s, exemplar)
+        if request.itl_s is not None:
+            self._genai_tpot.labels(*labels).observe(request.itl_s, exemplar)
+        if request.e2e_s is not None:
+            failed = request.phase is RequestPhase.FAILED
+            error_type = (request.error_code or OTHER_ERROR) if failed else ""
+            self._genai_duration.labels(*labels, request.phase.name.lower(), error_type).observe(
+                request.e2e_s, exemplar
+            )
+        if request.usage is not None:
+            self._genai_tokens.labels(*labels, "input").observe(request.usage.prompt_tokens)
+            self._genai_tokens.labels(*labels, "output").observe(request.usage.completion_tokens)
 
     def _observe_route(self, request: Request, path: str) -> None:
         if request.decode_worker is None:
@@ -205,8 +347,74 @@ class GatewayMetrics:
             self._kv_bytes.labels(prefill, request.decode_worker).observe(request.kv_bytes)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition."""
+        """The classic Prometheus text exposition (no exemplars: the format has none)."""
         return generate_latest(self.registry)
+
+    def render_openmetrics(self, appended_text: str = "") -> bytes:
+        """The OpenMetrics text exposition, exemplars included; ``appended_text`` (classic
+        Prometheus text, e.g. the workers' re-export) is parsed and rendered in the same
+        document, before its ``# EOF``."""
+        document = _WithAppended(self.registry, appended_text)
+        return bytes(openmetrics.generate_latest(document))  # type: ignore[no-untyped-call]
+
+    def expose(self, accept: str | None, appended_text: str = "") -> tuple[bytes, str]:
+        """The ``/metrics`` body and its content type for a scrape's ``Accept`` header:
+        OpenMetrics when it asks for ``application/openmetrics-text``, else the classic format
+        with ``appended_text`` after the registry's own as it is (series, labels and their
+        order exactly as its writer spelled them)."""
+        if wants_openmetrics(accept):
+            return self.render_openmetrics(appended_text), OPENMETRICS_CONTENT_TYPE
+        return self.render() + appended_text.encode(), CONTENT_TYPE_LATEST
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    """Whether an ``Accept`` header lists ``application/openmetrics-text`` with a non-zero
+    quality (Prometheus asks for it first, falling back to ``text/plain``). Any version asked
+    gets 1.0.0, which every Prometheus that asks for OpenMetrics reads."""
+    for media_range in (accept or "").split(","):
+        media_type, *params = (part.strip().lower() for part in media_range.split(";"))
+        if media_type != "application/openmetrics-text":
+            continue
+        quality = next((param[2:] for param in params if param.startswith("q=")), "1")
+        try:
+            if float(quality) > 0:
+                return True
+        except ValueError:
+            continue  # a malformed q: ignore that range, as a server may
+    return False
+
+
+class _TenantLabels:
+    """Tenant label values with a bound: the first ``max_labels`` tenants seen keep their id,
+    later ones are ``other``; no tenant (or the anonymous one, auth off) is ``none``."""
+
+    def __init__(self, max_labels: int) -> None:
+        if max_labels < 0:
+            raise ValueError(f"max_tenant_labels must be 0 or more, got {max_labels}")
+        self._max_labels = max_labels
+        self._labelled: set[str] = set()
+
+    def label(self, tenant_id: str | None) -> str:
+        if tenant_id is None or tenant_id == _ANONYMOUS_TENANT:
+            return "none"
+        if tenant_id in self._labelled:
+            return tenant_id
+        if len(self._labelled) < self._max_labels:
+            self._labelled.add(tenant_id)
+            return tenant_id
+        return "other"
+
+
+class _WithAppended(Collector):
+    """The registry's families, then those parsed from classic text that lives outside it."""
+
+    def __init__(self, registry: CollectorRegistry, appended_text: str) -> None:
+        self._registry = registry
+        self._appended_text = appended_text
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._registry.collect()
+        yield from text_string_to_metric_families(self._appended_text)
 
 
 class _WorkerCollector(Collector):

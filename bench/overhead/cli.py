@@ -4,6 +4,7 @@
     python -m bench.overhead --profile gateway.svg --out-json overhead.json
     python -m bench.overhead --real-gateway http://127.0.0.1:8000 \\
         --real-engine http://127.0.0.1:8200 --api-key tdm-... --pid 1234 --concurrency 1,4
+    python -m bench.overhead --tracing             # tracing off/on at 64 streams, 3 rounds
 
 The same closed-loop load (N concurrent chat streams, ``--tokens`` tokens each) goes directly to
 the fake decode engine, through Tandem (two legs, and colocated), and through LiteLLM's proxy
@@ -12,7 +13,9 @@ and level: TTFT/ITL p50/p99 and what the server adds over direct, the server's C
 and per streamed chunk, requests/s and errors; then Tandem/LiteLLM ratios, the split of CPU into
 a fixed part per request and a part per chunk next to the anchors in ``measure.ANCHORS``, and (with
 ``--profile``) where the gateway's time goes. See ``runs``, ``measure`` and ``servers`` for the
-definitions and the configurations.
+definitions and the configurations. ``--tracing`` measures what request tracing costs instead
+(``trace_cost``): tracing on against off in alternating rounds, and the calls tracing off
+still makes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -40,9 +43,17 @@ from bench.overhead.runs import (
     run_fake,
     run_real,
 )
+from bench.overhead.trace_cost import (
+    GATEWAY_SPANS_PER_REQUEST,
+    TracingOutput,
+    TracingRunConfig,
+    TracingRunError,
+    run_tracing,
+)
 
-TARGETS = ("direct", "tandem-2leg", "tandem-colocated", "litellm")
+TARGETS = ("direct", "tandem-2leg", "tandem-colocated", "tandem-policy", "litellm")
 DEFAULT_LITELLM = Path(".venv-litellm/bin/litellm")
+T = TypeVar("T")
 
 
 def _levels(text: str) -> list[int]:
@@ -69,8 +80,10 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--concurrency", type=_levels, help="levels (default 1,64,512; real: 1,4)")
-    p.add_argument("--targets", type=_targets, default=list(TARGETS), help=",".join(TARGETS))
+    p.add_argument(
+        "--concurrency", type=_levels, help="levels (default 1,64,512; real: 1,4; tracing: 64)"
+    )
+    p.add_argument("--targets", type=_targets, help=f"{','.join(TARGETS)} (default: all)")
     p.add_argument("--duration-s", type=float, default=15.0, help="measured phase per level")
     p.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--itl-ms", type=float, default=20.0, help="fake engine: gap between tokens")
@@ -90,6 +103,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     p.add_argument("--keep-work-dir", action="store_true", help="keep server logs and state")
     p.add_argument("--out-json", type=Path, help="write every figure here")
+    tracing = p.add_argument_group("tracing: what request tracing costs (see trace_cost)")
+    tracing.add_argument(
+        "--tracing", action="store_true", help="instead: tandem-2leg and tandem-traced in turns"
+    )
+    tracing.add_argument("--rounds", type=int, default=3, help="turns per gateway and level")
     real = p.add_argument_group("real stack (part b): measure servers someone else runs")
     real.add_argument("--real-gateway", help="the gateway's URL")
     real.add_argument("--real-engine", help="the decode worker's URL (direct)")
@@ -100,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     console = Console(width=200)
     real = args.real_gateway or args.real_engine
@@ -113,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_requests=args.max_requests,
         stagger=not args.burst,
     )
+    if args.tracing:
+        if real or args.targets or args.profile:
+            console.print("[red]--tracing runs its own two gateways: no --real-*, --targets, "
+                          "--profile[/]")  # fmt: skip
+            return 2
+        return _main_tracing(args, argv, spec, console)
     levels = args.concurrency or ([1, 4] if real else [1, 64, 512])
     import uvloop  # the load generator's loop: the cheapest per event
 
@@ -153,7 +178,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-async def _stoppable(run: Coroutine[Any, Any, RunOutput]) -> RunOutput:
+def _main_tracing(
+    args: argparse.Namespace, argv: Sequence[str], spec: LoadSpec, console: Console
+) -> int:
+    import uvloop
+
+    if args.rounds < 1:
+        console.print("[red]--rounds takes a positive integer[/]")
+        return 2
+    config = TracingRunConfig(
+        levels=args.concurrency or [64],
+        spec=spec,
+        timing=Timing(
+            num_tokens=args.tokens,
+            itl_s=args.itl_ms / 1000,
+            ttft_s=args.ttft_ms / 1000,
+            kv_ttft_s=args.kv_ttft_ms / 1000,
+        ),
+        rounds=args.rounds,
+        auth=not args.no_auth,
+        fit_concurrency=args.fit_concurrency or None,
+        pin=not args.no_pin,
+        keep_work_dir=args.keep_work_dir,
+    )
+    started = time.time()
+    try:
+        output = uvloop.run(_stoppable(run_tracing(config, console)))
+    except asyncio.CancelledError:
+        console.print("stopped: every server this run started is stopped")
+        return 130
+    except TracingRunError as exc:
+        console.print(f"[red]no tracing figures: {exc}[/]")
+        return 1
+    _print_tracing(console, output)
+    if args.out_json:
+        payload = _tracing_payload(config, argv, output, time.time() - started)
+        report.write_json(args.out_json, payload)
+        console.print(f"figures written to {args.out_json}")
+    return 0
+
+
+async def _stoppable(run: Coroutine[Any, Any, T]) -> T:
     """``run``, cancelled by SIGINT or SIGTERM so that its servers are stopped on the way out
     (a background job's SIGINT is ignored, and SIGTERM would skip every ``finally``)."""
     task = asyncio.current_task()
@@ -176,7 +241,8 @@ def _fake_config(
     args: argparse.Namespace, levels: list[int], spec: LoadSpec, console: Console
 ) -> FakeRunConfig:
     litellm = args.litellm or (DEFAULT_LITELLM if DEFAULT_LITELLM.exists() else None)
-    if "litellm" in args.targets and litellm is None:
+    targets = args.targets or list(TARGETS)
+    if "litellm" in targets and litellm is None:
         console.print(
             f"LiteLLM skipped: no {DEFAULT_LITELLM} (python3 -m venv .venv-litellm && "
             ".venv-litellm/bin/pip install 'litellm[proxy]', or pass --litellm PATH)"
@@ -191,7 +257,7 @@ def _fake_config(
             ttft_s=args.ttft_ms / 1000,
             kv_ttft_s=args.kv_ttft_ms / 1000,
         ),
-        targets=[t for t in args.targets if t != "litellm" or litellm is not None],
+        targets=[t for t in targets if t != "litellm" or litellm is not None],
         auth=not args.no_auth,
         litellm=litellm,
         profile=args.profile.resolve() if args.profile else None,
@@ -241,11 +307,87 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
         report.print_all(console, report.profile_tables(output.profile, "gateway profile"))
 
 
+def _print_tracing(console: Console, output: TracingOutput) -> None:
+    for note in output.notes:
+        console.print(note)
+    for name, paths in output.paths.items():
+        console.print(f"serving paths counted by {name}'s /metrics (path/reason/outcome): {paths}")
+    where = (
+        f"gateways on core {SERVER_CORE}; fake engines, load generator, receiver on core "
+        f"{ENGINE_CORE}"
+        if output.pinned
+        else "no pinning"
+    )
+    tables = [
+        report.latency_table(output.results),
+        report.cpu_table([*output.results, *output.extra], where),
+    ]
+    if output.fits:
+        chunks = output.costs[0].off.chunks_per_request if output.costs else 34
+        tables.append(report.cost_table(output.fits, chunks, "fit from the pooled rounds"))
+    tables.append(report.tracing_table(output.costs, output.fits))
+    report.print_all(console, tables)
+    if output.engine_stats:
+        console.print(f"fake engines served: {output.engine_stats}")
+    spans = output.spans
+    if spans is not None:
+        per_request = spans.received / spans.traced_requests if spans.traced_requests else 0.0
+        receiver_ms = (output.receiver_cpu_s or 0.0) * 1000 / max(1, spans.traced_requests)
+        console.print(
+            f"OTLP receiver: {spans.received} spans in {spans.exports} exports from "
+            f"{spans.traced_requests} traced requests ({per_request:.2f} per request, "
+            f"{GATEWAY_SPANS_PER_REQUEST} expected); its own CPU {receiver_ms:.3f} ms per traced "
+            "request (a collector's, not the gateway's)"
+        )
+
+
+def _tracing_payload(
+    config: TracingRunConfig, argv: Sequence[str], output: TracingOutput, elapsed_s: float
+) -> dict[str, Any]:
+    spans = output.spans
+    return {
+        "config": {
+            "mode": "tracing",
+            "command": " ".join(["python", "-m", "bench.overhead", *argv]),
+            "levels": list(config.levels),
+            "rounds": config.rounds,
+            "prompt_words": config.spec.prompt_words,
+            "duration_s": config.spec.duration_s,
+            "tokens": config.spec.num_tokens,
+            "itl_ms": config.timing.itl_s * 1000,
+            "auth": config.auth,
+            "fit_concurrency": config.fit_concurrency,
+        },
+        "elapsed_s": elapsed_s,
+        "notes": output.notes,
+        "tracing": [cost.to_dict() for cost in output.costs],
+        "off_path_us_per_request": output.off_path_us,
+        "spans": None
+        if spans is None
+        else {
+            "received": spans.received,
+            "exports": spans.exports,
+            "traced_requests": spans.traced_requests,
+            "expected": spans.expected,
+        },
+        "receiver_cpu_s": output.receiver_cpu_s,
+        **_measured(output),
+    }
+
+
 def _payload(config: dict[str, Any], output: RunOutput, elapsed_s: float) -> dict[str, Any]:
     return {
         "config": config,
         "elapsed_s": elapsed_s,
         "notes": output.notes,
+        **_measured(output),
+        "profile": output.profile.to_dict() if output.profile else None,
+    }
+
+
+def _measured(output: RunOutput | TracingOutput) -> dict[str, Any]:
+    """What both kinds of run measured: levels, fits, serving paths, the engines' counts."""
+    return {
         "results": [r.to_dict() for r in output.results],
         "extra": [r.to_dict() for r in output.extra],
         "fits": {
@@ -254,5 +396,4 @@ def _payload(config: dict[str, Any], output: RunOutput, elapsed_s: float) -> dic
         },
         "paths": output.paths,
         "engine_stats": output.engine_stats,
-        "profile": output.profile.to_dict() if output.profile else None,
     }

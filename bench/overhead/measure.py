@@ -12,14 +12,16 @@ metrics reads) over the same time, divided by the requests sent in it (failed on
 too) and by the chunks with a choice the clients received. At concurrency 1 the idle rate is a
 large part of the gross figure, which is kept as ``gross_cpu_ms_per_request``. The split into
 a fixed cost per request plus a cost per chunk needs two runs with different chunk counts:
-``fit_cost`` solves ``cpu per request = a + b x chunks per request`` from them.
+``fit_cost`` solves ``cpu per request = a + b x chunks per request`` from them. Several runs
+of one target at one level (rounds taking turns with another target) are ``Pooled``: their
+CPU and counts summed, so a longer round weighs more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from bench.harness.records import RequestRecord
 from bench.harness.summary import Stats, Summary
@@ -204,7 +206,56 @@ def added_latency(through: Summary, direct: Summary) -> Added:
     )
 
 
-def fit_cost(short: LevelResult, long: LevelResult) -> Cost | None:
+class CpuPerRequest(Protocol):
+    """What ``fit_cost`` reads of a run: a ``LevelResult``, or ``Pooled`` ones."""
+
+    @property
+    def cpu_ms_per_request(self) -> float | None: ...
+
+    @property
+    def chunks_per_request(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """Runs of one target at one level and length, taken together: CPU and counts summed."""
+
+    runs: tuple[LevelResult, ...]
+
+    @property
+    def load_cpu_s(self) -> float | None:
+        """Net of each run's idle rate; None when any run has no CPU reading."""
+        each = [r.load_cpu_s for r in self.runs]
+        return None if not each or None in each else sum(c for c in each if c is not None)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests sent in the measured phases (failed ones too: they cost CPU)."""
+        return sum(r.summary.sent for r in self.runs)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r.summary.failed for r in self.runs)
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(r.num_chunks for r in self.runs)
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        return per_unit_ms(self.load_cpu_s, self.num_requests)
+
+    @property
+    def cpu_ms_per_chunk(self) -> float | None:
+        return per_unit_ms(self.load_cpu_s, self.num_chunks)
+
+    @property
+    def chunks_per_request(self) -> float:
+        completed = sum(r.summary.completed for r in self.runs)
+        return self.num_chunks / completed if completed else 0.0
+
+
+def fit_cost(short: CpuPerRequest, long: CpuPerRequest) -> Cost | None:
     """The per-request and per-chunk CPU from two runs that stream different chunk counts
     (e.g. 1 token and 32 tokens); None without CPU readings or with equal chunk counts."""
     y_short, y_long = short.cpu_ms_per_request, long.cpu_ms_per_request

@@ -20,6 +20,7 @@ from bench.overhead.measure import (
     ratio,
 )
 from bench.overhead.profile import Profile
+from bench.overhead.trace_cost import MAX_ADDED_OFF, MAX_ADDED_ON, OFF, ON, TracingCost
 
 DIRECT = "direct"
 
@@ -187,3 +188,65 @@ def print_all(console: Console, tables: Sequence[Table | None]) -> None:
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+
+
+def _added(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.2f} %"
+
+
+def _holds(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "[red]NO[/]")
+
+
+def tracing_table(costs: Sequence[TracingCost], fits: Mapping[str, Cost]) -> Table:
+    """Tracing on vs off (the gateway's CPU, pooled rounds) and the tracing-off calls' share,
+    next to the targets."""
+    table = Table(
+        title=f"What tracing costs the gateway: {OFF} (tracing off) vs {ON} (every request "
+        "traced, exported over OTLP/HTTP); CPU net of idle"
+    )
+    for name in ("figure", "conc", "tracing off", "tracing on", "added", "target", "holds"):
+        table.add_column(name, justify="left" if name == "figure" else "right")
+    for cost in costs:
+        rounds = cost.added_on_by_round
+        spread = f" (rounds {_added(min(rounds))}..{_added(max(rounds))})" if rounds else ""
+        table.add_row(
+            f"CPU ms/request, {len(cost.off.runs)} rounds pooled{spread}",
+            str(cost.concurrency),
+            _f(cost.off.cpu_ms_per_request, 3),
+            _f(cost.on.cpu_ms_per_request, 3),
+            _added(cost.added_on),
+            f"<= {100 * MAX_ADDED_ON:.0f} %",
+            _holds(cost.on_holds),
+        )
+        chunk_increase = ratio(cost.on.cpu_ms_per_chunk, cost.off.cpu_ms_per_chunk)
+        table.add_row(
+            "CPU ms/chunk",
+            str(cost.concurrency),
+            _f(cost.off.cpu_ms_per_chunk, 4),
+            _f(cost.on.cpu_ms_per_chunk, 4),
+            _added(None if chunk_increase is None else chunk_increase - 1),
+            "",
+            "",
+        )
+        table.add_row(
+            "tracing off: one request's tracing calls, CPU µs (share of ms/request off)",
+            str(cost.concurrency),
+            _f(cost.off_path_us, 2),
+            "",
+            _added(cost.added_off),
+            f"<= {100 * MAX_ADDED_OFF:.0f} %",
+            _holds(cost.off_holds),
+        )
+    off, on = fits.get(OFF), fits.get(ON)
+    if off is not None and on is not None:
+        for label, off_ms, on_ms, digits in (
+            ("fit: fixed CPU ms per request", off.ms_per_request, on.ms_per_request, 3),
+            ("fit: CPU ms per chunk", off.ms_per_chunk, on.ms_per_chunk, 4),
+        ):
+            increase = ratio(on_ms, off_ms)
+            table.add_row(
+                label, "", _f(off_ms, digits), _f(on_ms, digits),
+                _added(None if increase is None else increase - 1), "", "",
+            )  # fmt: skip
+    return table

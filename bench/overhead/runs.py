@@ -1,7 +1,8 @@
 """The two kinds of overhead run: against fast fake engines (the servers started here, pinned),
 and against a real stack someone else runs.
 
-Fake run, per target in turn (``direct``, ``tandem-2leg``, ``tandem-colocated``, ``litellm``):
+Fake run, per target in turn (``direct``, ``tandem-2leg``, ``tandem-colocated``,
+``tandem-policy`` (two legs, through a sticky policy over two versions), ``litellm``):
 start its server on the server core, run every concurrency level, then, for servers, a
 1-token level (the fixed cost per request, for the per-chunk split), the profiled level (first
 Tandem target only) and the check of which serving path the gateway counted; stop the server.
@@ -80,7 +81,8 @@ class RunOutput:
     notes: list[str] = field(default_factory=list)
 
 
-def _say(console: Console, result: LevelResult, label: str = "") -> None:
+def say(console: Console, result: LevelResult, label: str = "") -> None:
+    """One line per level: requests, errors, rate, TTFT p50, ITL p99, the server's CPU."""
     s, ttft, itl = result.summary, result.summary.metrics["ttft"], result.summary.metrics["itl"]
     cpu = result.cpu_ms_per_request
     console.print(
@@ -91,18 +93,25 @@ def _say(console: Console, result: LevelResult, label: str = "") -> None:
     )
 
 
+def pin_load_generator(pin: bool) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """The server's and the engines' cores (None: not pinned, by choice or for want of the
+    cores); this process, the load generator, moves to the engines' core."""
+    server_cores = usable_cores({SERVER_CORE}) if pin else None
+    engine_cores = usable_cores({ENGINE_CORE}) if pin else None
+    if engine_cores is not None:
+        os.sched_setaffinity(0, engine_cores)
+    return server_cores, engine_cores
+
+
 async def run_fake(config: FakeRunConfig, console: Console) -> RunOutput:
     """Start the fakes, measure every target, stop everything (also on errors)."""
     out = RunOutput()
-    server_cores = usable_cores({SERVER_CORE}) if config.pin else None
-    engine_cores = usable_cores({ENGINE_CORE}) if config.pin else None
-    if engine_cores is not None:
-        os.sched_setaffinity(0, engine_cores)  # this process is the load generator
+    server_cores, engine_cores = pin_load_generator(config.pin)
     out.pinned = server_cores is not None and engine_cores is not None
     out.notes.append(
         f"pinning: server under test on core {SERVER_CORE}, load generator + fake engines on "
         f"core {ENGINE_CORE}"
-        if server_cores and engine_cores
+        if out.pinned
         else "pinning: none (--no-pin, or the cores are not there)"
     )
     work_dir = Path(tempfile.mkdtemp(prefix="tandem-overhead-"))
@@ -154,7 +163,8 @@ async def _run_target(
     api_key: str | None = None
     if name.startswith("tandem-"):
         setup = TandemSetup(
-            two_legs=name == "tandem-2leg",
+            two_legs=name in ("tandem-2leg", "tandem-policy"),
+            traffic_policy=name == "tandem-policy",
             auth=config.auth,
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
         )
@@ -185,14 +195,14 @@ async def _run_target(
         for level in config.levels:
             result = await level_run(level, config.spec)
             out.results.append(result)
-            _say(console, result)
+            say(console, result)
         if server is None:
             return
         if config.fit_concurrency:
             short = dataclasses.replace(config.spec, num_tokens=1)
             one = await level_run(config.fit_concurrency, short)
             out.extra.append(dataclasses.replace(one, target=f"{name} (1 token)"))
-            _say(console, one, " (1 token)")
+            say(console, one, " (1 token)")
             full = next(
                 (r for r in out.results if r.target == name and r.concurrency == one.concurrency),
                 None,
@@ -208,7 +218,7 @@ async def _run_target(
             ) as spy:
                 profiled = await level_run(config.profile_concurrency, config.spec)
             out.extra.append(dataclasses.replace(profiled, target=f"{name} (profiled)"))
-            _say(console, profiled, " (profiled)")
+            say(console, profiled, " (profiled)")
             out.profile = spy.read(str(Path.cwd()) + "/")
             console.print(f"  profile written to {config.profile} (py-spy log: {spy.log})")
         if name.startswith("tandem-"):
@@ -239,7 +249,7 @@ async def _fake_check(
     finally:
         os.sched_setaffinity(0, engine_cores)
     out.extra.append(dataclasses.replace(result, target="fake engine alone (server = fakes)"))
-    _say(console, result, " (fake engine alone on its core)")
+    say(console, result, " (fake engine alone on its core)")
 
 
 async def run_real(
@@ -277,7 +287,7 @@ async def run_real(
                 name, target, tenant, level, spec, cpu, None, idle if cpu else None
             )
             out.results.append(result)
-            _say(console, result)
+            say(console, result)
     after = _paths_or_empty(gateway_url)
     out.paths["tandem"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     return out

@@ -15,6 +15,11 @@
   else changed from its defaults (no database, so no spend logs or key lookups, which a
   production proxy would add). ``LITELLM_LOCAL_MODEL_COST_MAP`` only skips a network fetch at
   start-up.
+- Traced Tandem (``tandem-traced``): the two-leg setup exporting every request's spans over
+  OTLP/HTTP (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_TRACES_SAMPLER_ARG=1.0``, the batch
+  processor's defaults). Every other Tandem target gets the ``OTEL_*`` variables the gateway
+  reads set empty (unset, for it), so a collector configured in this shell does not turn their
+  tracing on.
 """
 
 from __future__ import annotations
@@ -44,26 +49,34 @@ class TandemSetup:
     """A tenant key with quota limits; False: ``TANDEM_AUTH_REQUIRED=false`` (anonymous)."""
     max_in_flight_per_worker: int = 4096
     """Admitted requests per decode worker (keep it above the concurrency)."""
+    traffic_policy: bool = False
+    """Serve the model through a sticky 50/50 policy over two registered versions (both on the
+    same fake workers): every request pays for its version's resolution."""
+    tracing: bool = False
+    """Export every request's spans to the traces endpoint ``start_tandem`` is given."""
 
     @property
     def label(self) -> str:
-        return "tandem-2leg" if self.two_legs else "tandem-colocated"
+        if self.traffic_policy:
+            base = "tandem-policy"
+        else:
+            base = "tandem-2leg" if self.two_legs else "tandem-colocated"
+        if not self.tracing:
+            return base
+        return "tandem-traced" if base == "tandem-2leg" else f"{base}-traced"
 
 
-def start_tandem(
-    setup: TandemSetup,
-    prefill_url: str,
-    decode_url: str,
-    model: str,
-    work_dir: Path,
-    cores: frozenset[int] | None,
-) -> tuple[Server, str | None]:
-    """The gateway over the given workers, ready; and the API key to call it with."""
-    name = setup.label
-    state_dir = work_dir / name
-    state_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = {
+def tandem_env(
+    setup: TandemSetup, model: str, state_dir: Path, traces_endpoint: str | None = None
+) -> dict[str, str]:
+    """The gateway's environment (over this process's own): ``traces_endpoint`` is where a
+    traced setup sends its spans, and only a traced setup may have one."""
+    if setup.tracing != (traces_endpoint is not None):
+        raise ValueError(
+            f"{setup.label}: a traced setup needs a traces endpoint and only a traced one takes "
+            f"it (got {traces_endpoint!r})"
+        )
+    return {
         "TANDEM_SERVED_MODEL_NAME": model,
         "TANDEM_NUM_PREFILL_WORKERS": "0",
         "TANDEM_NUM_DECODE_WORKERS": "0",
@@ -74,20 +87,102 @@ def start_tandem(
         "TANDEM_DISAGGREGATE_MIN_PROMPT_TOKENS": "0" if setup.two_legs else str(10**9),
         "TANDEM_MAX_IN_FLIGHT_PER_WORKER": str(setup.max_in_flight_per_worker),
         "TANDEM_MAX_QUEUE": str(max(1024, setup.max_in_flight_per_worker)),
+        **tracing_env(traces_endpoint),
     }
+
+
+def tracing_env(traces_endpoint: str | None) -> dict[str, str]:
+    """The ``OTEL_*`` variables ``telemetry.tracing.TracingConfig.from_env`` reads: every request
+    sampled and sent to ``traces_endpoint`` over OTLP/HTTP, or (None) tracing off, whatever
+    this shell's environment says (an empty variable is an unset one to it)."""
+    return {
+        "OTEL_SDK_DISABLED": "",
+        "OTEL_TRACES_EXPORTER": "",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": traces_endpoint or "",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf" if traces_endpoint else "",
+        "OTEL_TRACES_SAMPLER": "",
+        "OTEL_TRACES_SAMPLER_ARG": "1.0" if traces_endpoint else "",
+    }
+
+
+def start_tandem(
+    setup: TandemSetup,
+    prefill_url: str,
+    decode_url: str,
+    model: str,
+    work_dir: Path,
+    cores: frozenset[int] | None,
+    traces_endpoint: str | None = None,
+) -> tuple[Server, str | None]:
+    """The gateway over the given workers, ready; and the API key to call it with. A traced
+    setup sends its spans to ``traces_endpoint``."""
+    name = setup.label
+    state_dir = work_dir / name
+    state_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = tandem_env(setup, model, state_dir, traces_endpoint)
     argv = [
         sys.executable, "-m", "gateway.cli", "up", "--prefill-url", prefill_url,
         "--decode-url", decode_url, "--port", str(port),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     server = start_python_server(name, argv, url, "/ready", work_dir, cores, env)
-    if not setup.auth:
-        return server, None
     try:
-        return server, create_tenant_key(url, "bench")
+        if setup.traffic_policy:
+            install_policy(
+                url, prefill_url if setup.two_legs else None, decode_url, model, state_dir
+            )
+        return server, create_tenant_key(url, "bench") if setup.auth else None
     except (httpx.HTTPError, StartError):
         server.stop()
         raise
+
+
+def install_policy(
+    url: str, prefill_url: str | None, decode_url: str, model: str, work_dir: Path
+) -> list[str]:
+    """Two versions of ``model`` registered from tiny model folders (they differ in their
+    weights' bytes), each deployed on the given workers, and a sticky 50/50 policy over them;
+    the versions' names."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    names = []
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as admin:
+        for i in range(2):
+            folder = _tiny_model_folder(work_dir / f"version-{i}", weights=f"bench {i}".encode())
+            registered = admin.post(
+                "/admin/v1/models", json={"source": str(folder), "alias": model}
+            )
+            if registered.status_code not in (200, 201):
+                raise StartError(f"registering a version: {registered.text}")
+            name = str(registered.json()["name"])
+            deploy = {
+                "version": name,
+                "decode_workers": 0,
+                "decode_urls": [decode_url],
+                "prefill_urls": [prefill_url] if prefill_url else [],
+                "served_as": model,
+            }
+            deployed = admin.post("/admin/v1/deployments", json=deploy)
+            if deployed.status_code != 201:
+                raise StartError(f"deploying {name}: {deployed.text}")
+            names.append(name)
+        policy = {"split": [{"version": n, "weight": 50} for n in names], "sticky": True}
+        put = admin.put(f"/admin/v1/traffic/{model}", json=policy)
+        if put.status_code != 200:
+            raise StartError(f"setting the policy: {put.text}")
+    return names
+
+
+def _tiny_model_folder(path: Path, weights: bytes) -> Path:
+    """What fingerprinting reads: a config, a weights file, a tokenizer with a template."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "tokenizer.json").write_text("{}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    return path
 
 
 def create_tenant_key(url: str, tenant: str) -> str:

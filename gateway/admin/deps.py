@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header
 from fastapi import Request as HttpRequest
@@ -18,9 +19,13 @@ from admission.quota import StoreUnavailable
 from admission.registry import TenantRegistry
 from admission.tenants import Tenant
 from billing.service import Billing
-from core.errors import NotFoundError, StoreUnavailableError
+from core.errors import ConflictError, NotFoundError, StoreUnavailableError
 from gateway.auth import AdminAuth, Caller
+from gateway.catalog import Catalog, Deployer, VersionBuilder
 from moderation.moderator import Moderator
+from rollouts.store import RolloutStore
+from traffic.shadow import ShadowLimiter
+from traffic.windows import VersionWindows
 
 T = TypeVar("T")
 
@@ -38,8 +43,24 @@ class AdminServices:
     """The gateway's moderation providers, which a tenant's policy may name."""
     authenticate: Callable[[str | None], Awaitable[Caller]]
     """A tenant key's caller (401 otherwise, counted as a rejection): for ``/v1/usage``."""
+    catalog: Catalog
+    """The deployed versions, traffic policies and the version store."""
+    windows: VersionWindows
+    """Per-version figures over sliding windows."""
+    shadow_comparisons: Callable[[str], list[dict[str, Any]]]
+    """A shadow version's latest comparisons with the primaries it shadowed."""
+    shadow_limiter: ShadowLimiter
+    """Shadow copies sent, dropped at the cap, and in flight, per shadow version."""
+    builder: VersionBuilder | None = None
+    """Prepares and fingerprints a model source (None: registering is not possible here)."""
+    deployer: Deployer | None = None
+    """Starts and stops versions' workers (None: deployments are fixed at start)."""
     billing: Billing | None = None
     """None when billing is switched off."""
+    rollouts: RolloutStore | None = None
+    """Rollouts and their operator commands (None: no rollouts on this gateway)."""
+    rollout_reports: Path | None = None
+    """Where this gateway writes finished rollouts' reports."""
 
 
 async def get_admin(http_request: HttpRequest) -> AdminServices:
@@ -53,8 +74,12 @@ AdminDep = Annotated[AdminServices, Depends(get_admin)]
 
 async def require_admin(
     services: AdminDep, authorization: Annotated[str | None, Header()] = None
-) -> None:
-    await services.admin_auth.check(authorization)
+) -> str:
+    """The admin's id (the audit log's actor); 401/403 otherwise."""
+    return await services.admin_auth.check(authorization)
+
+
+ActorDep = Annotated[str, Depends(require_admin)]
 
 
 async def get_registry(services: AdminDep) -> TenantRegistry:
@@ -103,3 +128,26 @@ async def store_call(operation: Awaitable[T]) -> T:
 
 def tenant_not_found(ref: str) -> NotFoundError:
     return NotFoundError(f"No tenant with id or name '{ref}'.", param="tenant")
+
+
+async def refuse_under_rollout(
+    services: AdminServices, alias: str, change: str, version: str | None = None
+) -> None:
+    """409 while a rollout runs (or is paused) for ``alias``: it owns the alias's policy and
+    both its versions. ``version``: refuse only when the rollout uses that version."""
+    if services.rollouts is None:
+        return
+    active = await store_call(services.rollouts.list(alias=alias, active=True, limit=1))
+    if not active:
+        return
+    rollout = active[0]
+    spec = rollout["spec"]
+    if version is not None and version not in (spec["baseline"], spec["candidate"]):
+        return
+    rollout_id = rollout["id"]
+    raise ConflictError(
+        f"Rollout {rollout_id} is {rollout['status']} for '{alias}' and owns its traffic "
+        f"policy and versions; promote or abort it (POST /admin/v1/rollouts/{rollout_id}/abort) "
+        f"before you {change}.",
+        param="version" if version is not None else "alias",
+    )

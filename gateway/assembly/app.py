@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,39 +15,57 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from admission.admitter import AdmissionConfig, Admitter
 from admission.controller import AdmissionController, ControllerConfig
 from admission.fair_queue import FairQueueConfig
 from admission.fairness_sync import RedisFairnessSync
-from admission.tokens import TokenizerCounter
-from billing.cost import CostMeter, WorkerCost
+from admission.tokens import TokenCounters, TokenizerCounter
+from billing.cost import CostFigure, CostMeter
 from billing.cost_metrics import CostCollector
 from billing.metrics import BillingCollector
 from billing.service import Billing, BillingConfig
 from billing.telemetry import TelemetryCollector
-from core.models import ServedModel
+from core.messages import WorkerRole
 from gateway.admin.billing import admin_router as billing_admin_router
 from gateway.admin.billing import tenant_router as usage_router
 from gateway.admin.deps import ADMIN_STATE, AdminServices
+from gateway.admin.models import router as models_router
+from gateway.admin.rollouts import router as rollouts_router
 from gateway.admin.tenants import router as admin_router
 from gateway.assembly.stores import StoreConfig, open_stores
+from gateway.audited import CONFIG_ACTOR, register_version, set_policy
 from gateway.auth import AdminAuth, Authenticator
+from gateway.catalog import Catalog, Deployer, VersionBuilder
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
+from gateway.operations import GatewayTraffic
 from gateway.serving.content_policy import ContentPolicy, ModerationSetup, build_moderator
 from gateway.serving.deadlines import DeadlineConfig
 from gateway.serving.flow import ServingServices
 from gateway.serving.gate import Gate, GateConfig
+from gateway.serving.golden import EngineCompleter
 from gateway.serving.idempotent import IdempotencyConfig, IdempotentRuns
 from gateway.serving.routes import SERVING_STATE
 from gateway.serving.routes import router as openai_router
 from gateway.serving.routing import Router
+from gateway.serving.shadow import ShadowRunner
 from gateway.serving.upstream import EngineClient, UpstreamConfig
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
+from rollouts.controller import RolloutController
+from rollouts.provider import AgreementSource, CostSource, MetricsProvider, WindowsProvider
+from rollouts.provider_prometheus import PrometheusProvider
+from rollouts.quality import QualityCheck, compare
+from rollouts.webhook import WebhookSender
+from telemetry.otlp_metrics import OtlpGenAiMetrics, OtlpMetricsConfig
+from telemetry.tracing import Tracing, TracingConfig
+from traffic.shadow import ShadowLimiter
+from traffic.windows import VersionWindows
+from versions.records import ModelVersion
+from versions.store import VersionStore
 from workers.capacity import DecodeCapacity
+from workers.deployments import Deployments
 from workers.kv_usage import KvUsageWatcher
 from workers.pool import WorkerPool
 from workers.registry import Worker, WorkerSource
@@ -94,6 +113,40 @@ class AccessConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VersionsConfig:
+    """What ``tandem up``'s configuration declares: recorded (and audited) at start."""
+
+    register: tuple[ModelVersion, ...] = ()
+    """The versions it deploys (registering one twice is a no-op)."""
+    policies: tuple[tuple[str, dict[str, Any]], ...] = ()
+    """Alias -> traffic policy (``traffic.policy`` JSON shape); set when it differs from the
+    stored one, so a restart keeps what the admin API set unless the file changed it."""
+    refresh_interval_s: float = 0.5
+    """How often each replica checks the store for a changed policy."""
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutsConfig:
+    """The rollout controller every gateway runs (the lease holder acts)."""
+
+    enabled: bool = True
+    tick_s: float = 0.25
+    """How often the lease holder walks the active rollouts: a failed gate's rollback is put
+    in force within about this, plus the policy refresh on the other replicas."""
+    lease_ttl_s: float = 5.0
+    """A holder that stopped renewing keeps the lease this long: a surviving gateway takes
+    over within it and a third more."""
+    reports_dir: Path | None = None
+    """Where finished rollouts' reports go (``<state_dir>/rollouts``); None: none written."""
+    window_bucket_s: float = 10.0
+    """The per-version windows' bucket: a gate's window starts up to this before its step."""
+    prometheus_url: str | None = None
+    """A Prometheus scraping every replica's ``/metrics``: the gates then judge all replicas'
+    traffic (``PrometheusProvider``; shadow copies still from this gateway's windows); None:
+    this gateway's own windows (``WindowsProvider``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """What the HTTP app itself needs."""
 
@@ -115,6 +168,13 @@ class GatewayConfig:
     """Retention of idempotent answers."""
     billing: BillingConfig | None = None
     """The usage ledger, budgets and exports; None switches billing off."""
+    versions: VersionsConfig = field(default_factory=VersionsConfig)
+    """The versions and traffic policies to record at start."""
+    rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    """Where request traces are exported (``OTEL_*``); off by default."""
+    otlp_metrics: OtlpMetricsConfig = field(default_factory=OtlpMetricsConfig)
+    """Where the GenAI metrics are pushed over OTLP besides ``/metrics``; off by default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,17 +189,21 @@ class Services:
 
 def create_app(
     config: GatewayConfig,
-    prefill: WorkerSource,
-    decode: WorkerSource,
-    models: Sequence[ServedModel],
+    deployments: Deployments,
+    builder: VersionBuilder | None = None,
+    deployer: Deployer | None = None,
 ) -> FastAPI:
-    """Build the gateway app over pools someone else starts and stops (the CLI or a test)."""
+    """Build the gateway app over deployments someone else starts and stops (the CLI or a
+    test); ``builder`` registers model sources and ``deployer`` starts and stops more
+    versions at runtime (the admin API's)."""
+    prefill = deployments.pool(WorkerRole.PREFILL)
+    decode = deployments.pool(WorkerRole.DECODE)
     metrics = GatewayMetrics([prefill, decode])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.AsyncExitStack() as resources:
-            services = await assemble(config, prefill, decode, models, metrics, resources)
+            services = await assemble(config, deployments, builder, deployer, metrics, resources)
             # Lifespan state: each request's ``request.state`` gets these; the routers'
             # dependencies read their own part (gateway/serving/routes.py, gateway/admin/deps.py).
             yield {SERVING_STATE: services.serving, ADMIN_STATE: services.admin, _OPS: services}
@@ -149,6 +213,8 @@ def create_app(
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(billing_admin_router)
+    app.include_router(models_router)
+    app.include_router(rollouts_router)
     app.include_router(usage_router)
 
     @app.get("/health")
@@ -159,21 +225,22 @@ def create_app(
     @app.get("/metrics")
     async def prometheus_metrics(http_request: Request) -> Response:
         """Prometheus text: requests by path and outcome, latencies, tokens, worker state, and
-        the workers' own prefix-cache and KV-transfer counters."""
+        the workers' own prefix-cache and KV-transfer counters; OpenMetrics (with exemplars)
+        when the scrape's ``Accept`` asks for it."""
         services: Services = getattr(http_request.state, _OPS)
         from_workers = await scrape_workers(services.engine.session, [prefill, decode])
-        return Response(metrics.render() + from_workers.encode(), media_type=CONTENT_TYPE_LATEST)
+        body, content_type = metrics.expose(http_request.headers.get("accept"), from_workers)
+        return Response(body, media_type=content_type)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        """Readiness: a request could be served now (a healthy decode worker, and a healthy
-        prefill worker when a prefill pool is configured)."""
-        decode_ok = any(worker.healthy for worker in decode.workers)
-        prefill_ok = not prefill.workers or any(worker.healthy for worker in prefill.workers)
-        is_ready = decode_ok and prefill_ok
+        """Readiness: every deployed version could serve a request now (a healthy decode
+        worker, and a healthy prefill worker where it has a prefill pool)."""
+        is_ready = len(deployments) > 0 and all(d.healthy for d in deployments)
         body = {
             "status": "ready" if is_ready else "not_ready",
-            "workers": [_worker_status(worker) for worker in (*prefill.workers, *decode.workers)],
+            "versions": {d.version: d.healthy for d in deployments},
+            "workers": [_worker_status(worker) for worker in deployments.workers()],
         }
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
@@ -182,15 +249,24 @@ def create_app(
 
 async def assemble(
     config: GatewayConfig,
-    prefill: WorkerSource,
-    decode: WorkerSource,
-    models: Sequence[ServedModel],
+    deployments: Deployments,
+    builder: VersionBuilder | None,
+    deployer: Deployer | None,
     metrics: GatewayMetrics,
     resources: contextlib.AsyncExitStack,
 ) -> Services:
     """Start what the gateway runs (clients, stores, watchers, the admission queue, billing,
-    moderation); each one's shutdown is pushed on ``resources``, so they stop in reverse."""
+    moderation, the traffic policies); each one's shutdown is pushed on ``resources``, so
+    they stop in reverse."""
     access = config.access
+    decode = deployments.pool(WorkerRole.DECODE)
+    tracing = Tracing(config.tracing)
+    # First on the stack, so they stop last: what runs stopped at shutdown recorded still goes.
+    resources.push_async_callback(tracing.aclose)
+    if config.otlp_metrics.enabled:
+        otlp_metrics = OtlpGenAiMetrics(config.otlp_metrics)
+        resources.push_async_callback(otlp_metrics.aclose)
+        metrics.export_over_otlp(otlp_metrics)
     engine = EngineClient(config.upstream)
     await engine.start()
     resources.push_async_callback(engine.aclose)
@@ -211,8 +287,15 @@ async def assemble(
     controller = AdmissionController(
         stores.quotas, admitter, access.controller, metrics.observe_store_error
     )
-    billing = await _billing(config.billing, models[0], (prefill, decode), metrics, resources)
-    counter = await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir)
+    catalog = Catalog(deployments, stores.versions, config.versions.refresh_interval_s)
+    await record_declared(stores.versions, config.versions)
+    await catalog.start()
+    resources.push_async_callback(catalog.aclose)
+    billing = await _billing(config.billing, deployments, metrics, resources)
+    counters = TokenCounters(
+        await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir),
+        access.tokenizer_dir,  # the first version's folder: its counter is this one
+    )
     moderator = await asyncio.to_thread(build_moderator, config.moderation)
     await moderator.start()
     resources.push_async_callback(moderator.aclose)
@@ -223,19 +306,50 @@ async def assemble(
         access.gate,
         authenticator,
         controller,
-        counter,
+        counters,
         metrics,
         check_budget=billing.check_budget if billing is not None else None,
     )
     metrics.watch_admission(admitter)
+    windows = VersionWindows(bucket_s=config.rollouts.window_bucket_s)
+    shadows = ShadowRunner(engine, windows, ShadowLimiter())
+    # Closed before the engine client (pushed later): copies still running use it.
+    resources.push_async_callback(shadows.aclose)
+    if config.rollouts.enabled:
+        provider: MetricsProvider = WindowsProvider(
+            windows, _cost_source(billing), _agreement_source(shadows)
+        )
+        if config.rollouts.prometheus_url is not None:
+            prometheus = PrometheusProvider(config.rollouts.prometheus_url, shadow=provider)
+            # Closed after the controller (pushed later), which queries it until it stops.
+            resources.push_async_callback(prometheus.aclose)
+            provider = prometheus
+        rollout_controller = RolloutController(
+            stores.rollouts,
+            stores.lease,
+            provider,
+            GatewayTraffic(stores.versions, catalog, deployer),
+            EngineCompleter(engine, catalog),
+            webhooks=await _webhooks(resources),
+            reports_dir=config.rollouts.reports_dir,
+            tick_s=config.rollouts.tick_s,
+            lease_ttl_s=config.rollouts.lease_ttl_s,
+        )
+        await rollout_controller.start()
+        # Stopped before the shadows, catalog and stores it uses (pushed earlier).
+        resources.push_async_callback(rollout_controller.aclose)
     serving = ServingServices(
-        router=Router(engine, prefill, decode, models, config.decider, config.connector.kv_lease_s),
+        catalog=catalog,
+        router=Router(engine, deployments, config.decider, config.connector.kv_lease_s),
         gate=gate,
         content=ContentPolicy(moderator, config.moderation.default_policy, metrics),
         idempotency=idempotency,
         metrics=metrics,
         deadlines=config.deadlines,
         ping_interval_s=config.sse_ping_interval_s,
+        windows=windows,
+        shadows=shadows,
+        tracing=tracing,
         billing=billing,
     )
     admin = AdminServices(
@@ -244,9 +358,75 @@ async def assemble(
         controller=controller,
         moderator=moderator,
         authenticate=gate.authenticate,
+        catalog=catalog,
+        windows=windows,
+        shadow_comparisons=shadows.comparison_dicts,
+        shadow_limiter=shadows.limiter,
+        builder=builder,
+        deployer=deployer,
         billing=billing,
+        rollouts=stores.rollouts,
+        rollout_reports=config.rollouts.reports_dir,
     )
     return Services(serving=serving, admin=admin, engine=engine)
+
+
+async def record_declared(store: VersionStore, declared: VersionsConfig) -> None:
+    """Record the versions ``tandem up`` deploys and the policies its configuration sets
+    (audited as ``config``; unchanged ones are not recorded again)."""
+    for version in declared.register:
+        await register_version(
+            store, version, actor=CONFIG_ACTOR, reason="deployed by tandem up at start"
+        )
+    for alias, policy in declared.policies:
+        await set_policy(
+            store, alias, policy, actor=CONFIG_ACTOR, reason="tandem up configuration file"
+        )
+
+
+def _cost_source(billing: Billing | None) -> CostSource | None:
+    """A version's measured cost over a window, from the billing cost meter."""
+    meter = None if billing is None else billing.cost_meter
+    if meter is None:
+        return None
+
+    def cost(version: str, window_s: float) -> CostFigure | None:
+        window_s = min(window_s, meter.windows_s[-1])
+        figures = [f for f in meter.snapshot(windows_s=[window_s]) if f.model_version == version]
+        # One deployment per version: the one that served tokens, else the first.
+        return max(figures, key=lambda f: f.num_tokens, default=None)
+
+    return cost
+
+
+def _agreement_source(shadows: ShadowRunner) -> AgreementSource:
+    """A shadow version's answers compared with its primaries' over a window, agreeing as the
+    quality check's prompts agree (``rollouts.quality.compare``)."""
+    check = QualityCheck()
+
+    def agreement(version: str, window_s: float) -> tuple[int, int]:
+        since = time.time() - window_s
+        compared = agreed = 0
+        for comparison in shadows.comparisons(version):
+            if comparison.at < since or comparison.primary_text is None:
+                continue
+            compared += 1
+            if (
+                comparison.shadow_text is not None
+                and compare(
+                    comparison.request_id, comparison.primary_text, comparison.shadow_text, check
+                ).agrees
+            ):
+                agreed += 1
+        return compared, agreed
+
+    return agreement
+
+
+async def _webhooks(resources: contextlib.AsyncExitStack) -> WebhookSender:
+    sender = WebhookSender()
+    resources.push_async_callback(sender.aclose)
+    return sender
 
 
 async def _admitter(
@@ -280,21 +460,20 @@ async def _admitter(
 
 async def _billing(
     config: BillingConfig | None,
-    model: ServedModel,
-    pools: Sequence[WorkerSource],
+    deployments: Deployments,
     metrics: GatewayMetrics,
     resources: contextlib.AsyncExitStack,
 ) -> Billing | None:
     """The ledger, its telemetry and their collectors; None when billing is off."""
     if config is None:
         return None
-    meter = _cost_meter(config, model, pools)
+    meter = _cost_meter(config, deployments)
     billing = Billing(config, cost_meter=meter)
     await billing.start()
     # Closed after the idempotent runs (pushed later): runs still going record.
     resources.push_async_callback(billing.aclose)
     telemetry = TelemetryCollector(
-        meter, functools.partial(_worker_pids, pools), interval_s=config.telemetry_interval_s
+        meter, functools.partial(_worker_pids, deployments), interval_s=config.telemetry_interval_s
     )
     await telemetry.start()
     resources.push_async_callback(telemetry.aclose)
@@ -304,32 +483,26 @@ async def _billing(
     return billing
 
 
-def _cost_meter(
-    config: BillingConfig, model: ServedModel, pools: Sequence[WorkerSource]
-) -> CostMeter:
-    """Every worker priced as configured; they all serve ``model``."""
+def _cost_meter(config: BillingConfig, deployments: Deployments) -> CostMeter:
+    """Every worker priced as configured, under the version it serves."""
     return CostMeter(
         [
-            WorkerCost(
-                worker.name,
-                model.deployment,
-                model.version or model.name,
-                config.worker_price(worker.name),
-            )
-            for pool in pools
-            for worker in pool.workers
+            config.worker_cost(worker.name, deployment.model.deployment, deployment.version)
+            for deployment in deployments
+            for worker in deployment.workers
         ]
     )
 
 
-def _worker_pids(pools: Sequence[WorkerSource]) -> dict[str, int | None]:
+def _worker_pids(deployments: Deployments) -> dict[str, int | None]:
     """Worker name -> pid of its process (None for workers someone else started)."""
     pids: dict[str, int | None] = {}
-    for pool in pools:
-        statuses = pool.status() if isinstance(pool, WorkerPool) else []
-        known = {status.name: status.pid for status in statuses}
-        for worker in pool.workers:
-            pids[worker.name] = known.get(worker.name)
+    for deployment in deployments:
+        for pool in (deployment.prefill, deployment.decode):
+            statuses = pool.status() if isinstance(pool, WorkerPool) else []
+            known = {status.name: status.pid for status in statuses}
+            for worker in pool.workers:
+                pids[worker.name] = known.get(worker.name)
     return pids
 
 

@@ -37,6 +37,10 @@ class TandemSettings(BaseSettings):
 
     model: Path | None = None
     """Model to serve: a GGUF file or HF-format folder; unset = bundled SmolLM2-135M-Instruct."""
+    config: Path | None = None
+    """A file (TOML or YAML) declaring several versions, their workers and traffic policies
+    (``gateway/assembly/config_file.py``); unset = one version from ``model`` and the worker
+    counts below."""
     served_model_name: str | None = None
     """Name clients put in ``model``; default derived from the model."""
     cache_dir: Path | None = None
@@ -170,6 +174,21 @@ class TandemSettings(BaseSettings):
     accepted and ignored); false sends none."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """Longest a request waits for admission before a 503 with ``retry-after``."""
+
+    rollout_tick_s: float = Field(0.25, gt=0)
+    """How often the gateway holding the rollout lease walks the active rollouts (a failed
+    gate's rollback is put in force within about this)."""
+    rollout_lease_ttl_s: float = Field(5.0, gt=0)
+    """How long a gateway that stopped renewing the rollout lease keeps it: another takes over
+    within this and a third more."""
+    rollout_window_bucket_s: float = Field(10.0, gt=0, le=60)
+    """Resolution of the per-version windows rollout gates read: a step's window starts up to
+    this long before the step (short bakes in tests want 1)."""
+    rollout_prometheus_url: str | None = Field(None, pattern=r"^https?://")
+    """Prometheus (``http://prometheus:9090``) scraping every gateway replica's ``/metrics``
+    (15 s apart or less: a gate reads at least the last minute): rollout gates then judge all
+    replicas' traffic by PromQL; unset = the embedded default, the lease holder's own windows
+    (its replica's share of the traffic)."""
 
     billing: bool = True
     """Keep the usage ledger (records, budgets, exports); ``false`` switches billing off."""

@@ -1,4 +1,5 @@
-"""Assembling a whole stack from settings: the model, both worker pools, the gateway app.
+"""Assembling a whole stack from settings (or a configuration file): its versions, each
+one's worker pools, the gateway app.
 
 ``tandem up`` and the end-to-end tests build the stack the same way, through ``Stack``.
 """
@@ -7,191 +8,167 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shlex
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 
 from admission.controller import ControllerConfig, StoreFailurePolicy
 from billing.service import BillingConfig
-from core.messages import WorkerRole
 from core.models import ServedModel
 from core.moderation import ModerationPolicy
-from decode_pool import DecodePool, decode_worker_specs
 from gateway.assembly.admin_key import load_or_create_admin_key
-from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.app import (
+    AccessConfig,
+    GatewayConfig,
+    RolloutsConfig,
+    VersionsConfig,
+    create_app,
+)
+from gateway.assembly.config_file import ConfigFileError, StackFile, with_version_names
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stores import StoreConfig
+from gateway.assembly.supervisor import LocalVersionBuilder, Supervisor, connector_config
+from gateway.catalog import DeploymentSpec
 from gateway.serving.content_policy import ModerationSetup
 from gateway.serving.deadlines import DeadlineConfig
 from gateway.serving.gate import GateConfig
 from gateway.serving.idempotent import IdempotencyConfig
 from gateway.serving.upstream import UpstreamConfig
-from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
-from kv_transfer.geometry import KvGeometry
 from moderation.remote import RemoteProviderConfig
 from moderation.stream import StreamConfig
-from prefill_pool import PrefillPool, prefill_worker_specs
-from workers.model import ModelPreparationError, PreparedModel, find_prepared
-from workers.pool import PoolConfig, WorkerPool
-from workers.process import LaunchConfig, WorkerSpec
+from telemetry.otlp_metrics import OtlpMetricsConfig
+from telemetry.tracing import TracingConfig
+from traffic.policy import PolicyError, check_versions, policy_from_dict, policy_to_dict
+from versions.records import ModelVersion
+from workers.deployments import Deployments
+from workers.pool import WorkerPool
 
 log = logging.getLogger("tandem.gateway")
 
 
-def prepare_model_in_subprocess(source: Path | None, cache_dir: Path | None) -> PreparedModel:
-    """Prepare the model in a child process, then read the verified result here.
-
-    Conversion imports torch and transformers (~1 GB resident); doing it in a child keeps the
-    gateway process lean. A prepared model is found instantly without starting the child.
-    """
-    prepared = find_prepared(source, cache_dir=cache_dir)
-    if prepared is not None:
-        return prepared
-    argv = [sys.executable, "-m", "workers.model"]
-    if source is not None:
-        argv += ["--model", str(source)]
-    if cache_dir is not None:
-        argv += ["--cache-dir", str(cache_dir)]
-    if subprocess.run(argv, check=False).returncode != 0:
-        raise ModelPreparationError("model preparation failed; see the messages above")
-    prepared = find_prepared(source, cache_dir=cache_dir)
-    if prepared is None:
-        raise ModelPreparationError("model preparation finished but left no complete folder")
-    return prepared
-
-
-def _pool_config(
-    settings: TandemSettings,
-    role: WorkerRole,
-    specs: tuple[WorkerSpec, ...],
-    external_urls: list[str],
-) -> PoolConfig:
-    return PoolConfig(
-        role=role,
-        specs=specs,
-        external_urls=tuple(external_urls),
-        log_dir=settings.log_dir,
-        health_interval_s=settings.health_interval_s,
-        ready_timeout_s=settings.worker_ready_timeout_s,
-        # Both pools get it; only decode workers' usage is read (KvUsageWatcher), so only
-        # they are ever KV-full: admission capacity and decode picking share this one value.
-        kv_watermark=settings.kv_usage_watermark,
-    )
-
-
 @dataclass(slots=True)
 class Stack:
-    """Both pools and the app over them. ``start()`` boots workers; ``aclose()`` stops them."""
+    """Every deployed version's pools and the app over them. ``start()`` boots workers;
+    ``aclose()`` stops them (those deployed later through the admin API too)."""
 
     settings: TandemSettings
-    prefill: WorkerPool
-    decode: WorkerPool
-    model: ServedModel
+    supervisor: Supervisor
+    deployments: Deployments
+    declared: VersionsConfig
+    """The versions and policies recorded (and audited) when the app starts."""
     model_dir: Path | None = None
-    """The prepared model folder (its tokenizer counts prompt tokens); None for external-only."""
+    """The first version's model folder (its tokenizer counts prompt tokens); None for
+    external-only."""
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    """Where the gateway and its workers export traces (the ``OTEL_*`` environment)."""
 
     @classmethod
-    def from_settings(cls, settings: TandemSettings, prepared: PreparedModel | None) -> Stack:
-        """Pools for ``settings``; ``prepared`` is required when any worker is managed."""
+    def from_settings(cls, settings: TandemSettings, version: ModelVersion | None) -> Stack:
+        """One version on the settings' workers (the one-version default); ``version`` is
+        required when any worker is managed (``fingerprint`` makes it)."""
         num_managed = settings.num_prefill_workers + settings.num_decode_workers
-        if prepared is None and num_managed:
-            raise ValueError("managed workers need a prepared model")
-        name = settings.served_model_name or (prepared.served_name if prepared else None)
-        if name is None:
-            raise ValueError(
-                "set TANDEM_SERVED_MODEL_NAME (or --served-model-name) to the model name the "
-                "external workers serve"
-            )
-        max_len = settings.max_model_len or (prepared.max_model_len if prepared else None)
-        launch = LaunchConfig(
-            model_path=prepared.path if prepared else Path("."),
-            served_model_name=name,
-            host=settings.worker_host,
-            max_model_len=settings.max_model_len,
-            kv_cache_gib=settings.kv_cache_gib,
-            block_size=settings.kv_block_size,
-            enforce_eager=settings.enforce_eager,
-            dtype=settings.dtype,
-            scheduling_policy="priority" if settings.engine_priority else "fcfs",
-            connector=connector_config(settings),
-            extra_args=tuple(shlex.split(settings.worker_extra_args)),
+        if version is None and num_managed:
+            raise ValueError("managed workers need a prepared, fingerprinted model")
+        spec = DeploymentSpec(
+            num_prefill=settings.num_prefill_workers,
+            num_decode=settings.num_decode_workers,
+            prefill_urls=tuple(settings.prefill_urls),
+            decode_urls=tuple(settings.decode_urls),
+            served_as=settings.served_model_name if version is None else None,
         )
-        num_prefill = settings.num_prefill_workers
-        binds: tuple[str | None, ...] = tuple(settings.cpu_binding)
-        prefill = PrefillPool(
-            _pool_config(
-                settings,
-                WorkerRole.PREFILL,
-                prefill_worker_specs(
-                    launch,
-                    num_workers=num_prefill,
-                    base_port=settings.prefill_base_port,
-                    base_side_channel_port=settings.side_channel_base_port,
-                    cpu_binds=binds[:num_prefill],
-                ),
-                settings.prefill_urls,
-            )
+        return cls.of_versions(settings, [(version, spec)], {})
+
+    @classmethod
+    def from_file(
+        cls,
+        settings: TandemSettings,
+        stack_file: StackFile,
+        versions: Sequence[ModelVersion],
+        path: Path,
+    ) -> Stack:
+        """The versions a configuration file declares (``versions[i]`` fingerprints its
+        ``i``-th entry), with its traffic policies checked now, before any worker boots."""
+        names = {
+            entry.label: v.name for entry, v in zip(stack_file.versions, versions, strict=True)
+        }
+        policies: dict[str, dict[str, Any]] = {}
+        for alias, raw in stack_file.traffic.items():
+            where = f"{path}: traffic.{alias}"
+            policy = with_version_names(raw, names, where)
+            try:
+                parsed = policy_from_dict(alias, policy)
+                check_versions(
+                    parsed,
+                    exists=lambda name: name in names.values(),
+                    has_workers=lambda name: name in names.values(),
+                )
+            except PolicyError as exc:
+                raise ConfigFileError(f"{where}.{exc.param}: {exc}") from exc
+            policies[alias] = policy_to_dict(parsed)
+        planned = [
+            (version, entry.spec)
+            for entry, version in zip(stack_file.versions, versions, strict=True)
+        ]
+        return cls.of_versions(settings, planned, policies)
+
+    @classmethod
+    def of_versions(
+        cls,
+        settings: TandemSettings,
+        planned: Sequence[tuple[ModelVersion | None, DeploymentSpec]],
+        policies: dict[str, dict[str, Any]],
+    ) -> Stack:
+        tracing = TracingConfig.from_env()
+        supervisor = Supervisor(settings, tracing)
+        deployments = Deployments([supervisor.plan(version, spec) for version, spec in planned])
+        registered = tuple(version for version, _ in planned if version is not None)
+        first = planned[0][0]
+        return cls(
+            settings,
+            supervisor,
+            deployments,
+            VersionsConfig(register=registered, policies=tuple(policies.items())),
+            Path(first.model_dir) if first is not None else None,
+            tracing,
         )
-        decode = DecodePool(
-            _pool_config(
-                settings,
-                WorkerRole.DECODE,
-                decode_worker_specs(
-                    replace(launch, max_num_batched_tokens=settings.decode_step_tokens or None),
-                    num_workers=settings.num_decode_workers,
-                    base_port=settings.decode_base_port,
-                    # Side channels of all workers on a host must differ: decode ones follow.
-                    base_side_channel_port=settings.side_channel_base_port + num_prefill,
-                    cpu_binds=binds[num_prefill:],
-                ),
-                settings.decode_urls,
-            )
-        )
-        version = settings.model_version or (prepared.path.name if prepared else name)
-        geometry = (
-            KvGeometry.of_model_dir(
-                prepared.path, dtype=settings.dtype, block_size=settings.kv_block_size
-            )
-            if prepared
-            else None
-        )
-        model = ServedModel(
-            name,
-            max_len,
-            int(time.time()),
-            version,
-            settings.deployment,
-            default_max_tokens=settings.default_max_tokens or None,
-            kv_block_bytes=None if geometry is None else geometry.bytes_per_block,
-        )
-        return cls(settings, prefill, decode, model, prepared.path if prepared else None)
+
+    @property
+    def model(self) -> ServedModel:
+        """The first deployed version."""
+        return next(iter(self.deployments)).model
+
+    @property
+    def prefill(self) -> WorkerPool:
+        """The first version's prefill pool."""
+        return self.supervisor.pools()[0]
+
+    @property
+    def decode(self) -> WorkerPool:
+        """The first version's decode pool."""
+        return self.supervisor.pools()[1]
 
     async def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Launch every managed worker and wait until all workers are healthy."""
-        await asyncio.gather(self.prefill.start(), self.decode.start())
+        await asyncio.gather(*(self.supervisor.start(d) for d in self.deployments))
         timeout_s = self.settings.worker_ready_timeout_s
 
-        def report(role: WorkerRole) -> Callable[[str], None] | None:
+        def report(pool: WorkerPool) -> Callable[[str], None] | None:
             if on_progress is None:
                 return None
-            return lambda line: on_progress(f"{role.value}: {line}")
+            return lambda line: on_progress(f"{pool.config.role.value}: {line}")
 
         await asyncio.gather(
-            self.prefill.wait_ready(timeout_s, report(WorkerRole.PREFILL)),
-            self.decode.wait_ready(timeout_s, report(WorkerRole.DECODE)),
+            *(pool.wait_ready(timeout_s, report(pool)) for pool in self.supervisor.pools())
         )
 
     async def aclose(self) -> None:
-        """Stop both pools; no worker process is left behind."""
-        await asyncio.gather(self.prefill.aclose(), self.decode.aclose())
+        """Stop every pool; no worker process is left behind."""
+        await self.supervisor.aclose()
 
     def app(self) -> FastAPI:
         """The gateway app over this stack's pools."""
@@ -216,8 +193,18 @@ class Stack:
             moderation=moderation_setup(settings),
             idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),
             billing=billing_config(settings),
+            versions=self.declared,
+            rollouts=RolloutsConfig(
+                tick_s=settings.rollout_tick_s,
+                lease_ttl_s=settings.rollout_lease_ttl_s,
+                reports_dir=settings.state_dir / "rollouts",
+                window_bucket_s=settings.rollout_window_bucket_s,
+                prometheus_url=settings.rollout_prometheus_url,
+            ),
+            tracing=self.tracing,
+            otlp_metrics=OtlpMetricsConfig.from_env(),
         )
-        return create_app(config, self.prefill, self.decode, [self.model])
+        return create_app(config, self.deployments, LocalVersionBuilder(settings), self.supervisor)
 
 
 def moderation_setup(settings: TandemSettings) -> ModerationSetup:
@@ -244,13 +231,6 @@ def moderation_setup(settings: TandemSettings) -> ModerationSetup:
             window_chars=settings.moderation_window_chars,
             overlap_chars=settings.moderation_window_chars,
         ),
-    )
-
-
-def connector_config(settings: TandemSettings) -> ConnectorConfig:
-    """The KV connector of every worker, which the gateway honours too (its KV lease)."""
-    return ConnectorConfig(
-        kv_lease_s=settings.kv_lease_s, progress_delay_us=settings.nixl_progress_delay_us
     )
 
 

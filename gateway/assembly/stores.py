@@ -14,6 +14,13 @@ from admission.quota_redis import RedisQuotaStore
 from admission.registry import TenantRegistry
 from admission.registry_redis import RedisTenantRegistry
 from admission.registry_sqlite import SqliteTenantRegistry
+from rollouts.lease import Lease, RedisLease, SqliteLease
+from rollouts.store import RolloutStore
+from rollouts.store_redis import RedisRolloutStore
+from rollouts.store_sqlite import SqliteRolloutStore
+from versions.store import VersionStore
+from versions.store_redis import RedisVersionStore
+from versions.store_sqlite import SqliteVersionStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +30,9 @@ class StoreConfig:
     redis_url: str | None = None
     """Shared Redis (replicas); unset = SQLite registry + in-memory counters."""
     sqlite_path: Path = Path(".tandem/tandem.db")
-    """The embedded default's durable tenant store."""
+    """The embedded default's durable tenant store; model versions, traffic policies and the
+    audit log go to ``versions.db`` beside it, rollouts to ``rollouts.db`` and their lease to
+    ``lease.db``."""
     timeout_s: float = 2.0
     """Longest wait for a Redis operation before it counts as failed (see
     ``TandemSettings.store_timeout_s``)."""
@@ -34,8 +43,15 @@ class Stores:
     registry: TenantRegistry
     quotas: QuotaStore
     idempotency: IdempotencyStore
+    versions: VersionStore
+    rollouts: RolloutStore
+    lease: Lease
+    """Which gateway evaluates rollouts."""
 
     async def aclose(self) -> None:
+        await self.lease.aclose()
+        await self.rollouts.aclose()
+        await self.versions.aclose()
         await self.idempotency.aclose()
         await self.quotas.aclose()
         await self.registry.aclose()
@@ -48,7 +64,16 @@ async def open_stores(config: StoreConfig) -> Stores:
             RedisTenantRegistry(config.redis_url, timeout_s=config.timeout_s),
             RedisQuotaStore(config.redis_url, timeout_s=config.timeout_s),
             RedisIdempotencyStore(config.redis_url, timeout_s=config.timeout_s),
+            RedisVersionStore(config.redis_url, timeout_s=config.timeout_s),
+            RedisRolloutStore(config.redis_url, timeout_s=config.timeout_s),
+            RedisLease(config.redis_url, timeout_s=config.timeout_s),
         )
     registry = SqliteTenantRegistry(config.sqlite_path)
     await registry.start()
-    return Stores(registry, MemoryQuotaStore(), MemoryIdempotencyStore())
+    versions = SqliteVersionStore(config.sqlite_path.with_name("versions.db"))
+    await versions.start()
+    rollouts = SqliteRolloutStore(config.sqlite_path.with_name("rollouts.db"))
+    await rollouts.start()
+    lease = SqliteLease(config.sqlite_path.with_name("lease.db"))
+    await lease.start()
+    return Stores(registry, MemoryQuotaStore(), MemoryIdempotencyStore(), versions, rollouts, lease)

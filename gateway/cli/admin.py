@@ -35,10 +35,17 @@ class AdminCliError(Exception):
     """Something the operator must fix; printed without a traceback."""
 
 
-def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """``--url`` and ``--admin-key``: how an admin-API command reaches the gateway."""
-    parser.add_argument("--url", help="gateway base URL (default http://TANDEM_HOST:TANDEM_PORT)")
-    parser.add_argument("--admin-key", help="admin key (default TANDEM_ADMIN_KEY or the key file)")
+def add_connection_flags(parser: argparse.ArgumentParser, *, subcommand: bool = False) -> None:
+    """``--url`` and ``--admin-key``: how an admin-API command reaches the gateway. Given on
+    a group and on its ``subcommand``s, either place works: a subcommand's own flags default
+    to nothing, so they never overwrite what was given before it."""
+    default = argparse.SUPPRESS if subcommand else None
+    parser.add_argument(
+        "--url", default=default, help="gateway base URL (default http://TANDEM_HOST:TANDEM_PORT)"
+    )
+    parser.add_argument(
+        "--admin-key", default=default, help="admin key (default TANDEM_ADMIN_KEY or the key file)"
+    )
 
 
 def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "warning") -> None:

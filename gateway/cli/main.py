@@ -2,6 +2,10 @@
 
 tandem up                 prepare the model, boot a prefill and a decode worker, serve the gateway
 tandem model prepare      convert the model into a vLLM-loadable folder (idempotent)
+tandem model register ... versions: register, list, show, delete, deploy, undeploy, figures
+tandem traffic ...        traffic policies per alias (split, sticky, pins, shadow)
+tandem audit              who changed versions, deployments and policies, and why
+tandem rollout ...        canary a version behind gates: start, status, pause, promote, report
 tandem admin ...          tenants, keys, quotas and usage over the admin API
 tandem version
 
@@ -17,7 +21,6 @@ import contextlib
 import gc
 import logging
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,10 +31,27 @@ import uvicorn
 from rich.console import Console
 from rich.status import Status
 
+from gateway.assembly.config_file import ConfigFileError, load_stack_file
 from gateway.assembly.settings import TandemSettings
-from gateway.assembly.stack import Stack, prepare_model_in_subprocess
-from gateway.cli.admin import add_admin_parser, add_log_level_flag, run_admin
+from gateway.assembly.stack import Stack
+from gateway.assembly.supervisor import fingerprint, port_is_free
+from gateway.cli.admin import (
+    add_admin_parser,
+    add_connection_flags,
+    add_log_level_flag,
+    run_admin,
+)
 from gateway.cli.billing import add_billing_parser, run_billing
+from gateway.cli.models import (
+    add_model_commands,
+    add_traffic_parsers,
+    run_audit,
+    run_model,
+    run_traffic,
+)
+from gateway.cli.rollouts import add_rollout_parser, run_rollout
+from telemetry.otlp_env import TelemetryConfigError
+from versions.records import VersionSourceError
 from workers.model import ModelPreparationError, RichProgress, prepare_model
 from workers.pool import WorkerStartupError, WorkerStatus
 
@@ -67,6 +87,14 @@ def run_command(args: argparse.Namespace) -> int | None:
                 f"model ready: [bold]{prepared.path}[/] (served as {prepared.served_name})"
             )
             return 0
+        if args.command == "model" and args.model_command is not None:
+            return run_model(args)
+        if args.command == "traffic":
+            return run_traffic(args)
+        if args.command == "audit":
+            return run_audit(args)
+        if args.command == "rollout":
+            return run_rollout(args)
         if args.command == "admin":
             return run_admin(args)
         if args.command == "billing":
@@ -91,6 +119,11 @@ def add_commands(commands: Any) -> None:
     up = commands.add_parser("up", help="run the whole stack: workers and gateway")
     up.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled SmolLM2)")
     up.add_argument("--served-model-name", help="model name clients send")
+    up.add_argument(
+        "--config",
+        type=Path,
+        help="TOML/YAML file declaring several versions, their workers and traffic policies",
+    )
     up.add_argument("--cache-dir", type=Path, help="where prepared models are kept")
     up.add_argument("--host", help="gateway address (default 127.0.0.1)")
     up.add_argument("--port", type=int, help="gateway port (default 8000)")
@@ -119,12 +152,16 @@ def add_commands(commands: Any) -> None:
     )
     add_log_level_flag(up, default="info")
 
-    model = commands.add_parser("model", help="model management")
+    model = commands.add_parser("model", help="model versions: prepare, register, deploy")
+    add_connection_flags(model)
     model_commands = model.add_subparsers(dest="model_command")
     prepare = model_commands.add_parser("prepare", help="make a vLLM-loadable model folder")
     prepare.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled)")
     prepare.add_argument("--cache-dir", type=Path)
     add_log_level_flag(prepare)
+    add_model_commands(model_commands)
+    add_traffic_parsers(commands)
+    add_rollout_parser(commands)
 
     add_admin_parser(commands)
     add_billing_parser(commands)
@@ -165,27 +202,21 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
 
-    if not _port_is_free(settings.host, settings.port):
+    if not port_is_free(settings.host, settings.port):
         console.print(
             f"[red]{settings.host}:{settings.port} is in use[/]: stop what runs there or pick "
             "another port with --port / TANDEM_PORT"
         )
         return 1
-    needs_model = settings.num_prefill_workers + settings.num_decode_workers > 0
     stack: Stack | None = None
     try:
-        prepared = (
-            await asyncio.to_thread(prepare_model_in_subprocess, settings.model, settings.cache_dir)
-            if needs_model
-            else None
-        )
-        stack = Stack.from_settings(settings, prepared)
+        stack = await _plan_stack(settings)
         with _boot_display(stack) as on_progress:
             await stack.start(on_progress=on_progress)
         console.print(
             "[green]workers ready[/]: "
             + ", ".join(
-                f"{w.name} {w.base_url}" for w in (*stack.prefill.workers, *stack.decode.workers)
+                f"{w.name} {w.base_url} ({d.version})" for d in stack.deployments for w in d.workers
             )
         )
         server = _Server(
@@ -207,7 +238,8 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         )
         console.print(
             f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] ({key_hint}), "
-            f"model [bold]{stack.model.name}[/]. Ctrl-C stops everything.\n"
+            f"model [bold]{', '.join(stack.deployments.aliases())}[/]. Ctrl-C stops "
+            "everything.\n"
         )
         if not stopping.is_set():
             _tune_garbage_collector()
@@ -215,6 +247,9 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         return 0
     except WorkerStartupError as exc:
         console.print(f"[red]a worker failed to start:[/]\n{exc}")
+        return 1
+    except (ConfigFileError, VersionSourceError, TelemetryConfigError) as exc:
+        console.print(f"[red]cannot start:[/] {exc}")
         return 1
     except asyncio.CancelledError:
         console.print("stopping before the stack was up")
@@ -224,6 +259,35 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
             with _status_line("stopping workers"):
                 await stack.aclose()
             console.print("all workers stopped")
+
+
+async def _plan_stack(settings: TandemSettings) -> Stack:
+    """The stack's versions, prepared and fingerprinted (in threads: conversion runs in a
+    child process), from the configuration file or the one-version settings."""
+    if settings.config is not None:
+        stack_file = load_stack_file(settings.config)
+        versions = []
+        for entry in stack_file.versions:  # one at a time: conversions share the cache's lock
+            versions.append(
+                await asyncio.to_thread(
+                    fingerprint,
+                    settings,
+                    entry.source_path,
+                    entry.alias,
+                    dtype=entry.dtype,
+                    defaults=entry.generation_defaults,
+                    engine_args=tuple(entry.engine_args),
+                    note=entry.note,
+                )
+            )
+        return Stack.from_file(settings, stack_file, versions, settings.config)
+    needs_model = settings.num_prefill_workers + settings.num_decode_workers > 0
+    version = (
+        await asyncio.to_thread(fingerprint, settings, settings.model, None)
+        if needs_model
+        else None
+    )
+    return Stack.from_settings(settings, version)
 
 
 def _tune_garbage_collector() -> None:
@@ -239,17 +303,6 @@ def _tune_garbage_collector() -> None:
 
 
 _GC_YOUNG_THRESHOLD = 7_000  # CPython's default is 700
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    # Checked before the workers boot (minutes), not discovered when uvicorn binds after them.
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class _Server(uvicorn.Server):
@@ -277,7 +330,9 @@ def _boot_display(stack: Stack) -> Iterator[Callable[[str], None]]:
         return
     progress = BootProgress(console)
     # Each pool's line arrives about every second: a tick to look at every worker's status.
-    yield lambda _line: progress.update([*stack.prefill.status(), *stack.decode.status()])
+    yield lambda _line: progress.update(
+        [status for pool in stack.supervisor.pools() for status in pool.status()]
+    )
 
 
 class BootProgress:

@@ -18,7 +18,6 @@ import orjson
 
 from core.errors import TandemError
 from core.messages import Endpoint
-from core.request import Request
 
 
 class Opened:
@@ -117,7 +116,12 @@ def content_key(endpoint: Endpoint) -> str:
     return "delta" if endpoint is Endpoint.CHAT else "text"
 
 
-def response_id(request: Request) -> str:
-    """The id clients see: the gateway's request id, the same on every chunk and retry."""
-    prefix = "chatcmpl" if request.endpoint is Endpoint.CHAT else "cmpl"
-    return f"{prefix}-{request.request_id}"
+def choice_text(choice: dict[str, Any], endpoint: Endpoint, *, streamed: bool) -> str | None:
+    """A choice's text: a chunk's ``delta.content`` (``streamed``) or an answer's
+    ``message.content`` for chat, ``text`` for completions; None when it carries none."""
+    if endpoint is Endpoint.CHAT:
+        holder = choice.get("delta" if streamed else "message")
+        text = holder.get("content") if isinstance(holder, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else None

@@ -23,7 +23,7 @@ from admission.controller import (
     check_context_window,
     used_tokens,
 )
-from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounter, estimate_tokens
+from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounters, estimate_tokens
 from core.errors import (
     ClientDisconnectedError,
     OverloadedError,
@@ -64,7 +64,7 @@ class Gate:
         config: GateConfig,
         authenticator: Authenticator,
         controller: AdmissionController,
-        counter: TokenCounter,
+        counters: TokenCounters,
         metrics: GatewayMetrics,
         check_budget: Callable[[str], None] | None = None,
     ) -> None:
@@ -73,7 +73,7 @@ class Gate:
         self._check_budget = check_budget
         self.authenticator = authenticator
         self._controller = controller
-        self._counter = counter
+        self._counters = counters
         self._metrics = metrics
 
     async def authenticate(self, authorization: str | None) -> Caller:
@@ -106,8 +106,9 @@ class Gate:
                 raise
         cap_output_tokens(request, caller.tenant.plan.max_output_tokens)
         model = request.model
+        counter = await self._counters.for_dir(model.tokenizer_dir)
         estimate = await estimate_tokens(
-            request.endpoint, request.body, request.prompt, self._counter, model.max_model_len
+            request.endpoint, request.body, request.prompt, counter, model.max_model_len
         )
         request.record_estimate(estimate)
         try:

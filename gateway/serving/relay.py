@@ -19,7 +19,7 @@ import orjson
 from core.errors import EngineError
 from core.messages import Usage
 from core.request import Request, RequestPhase
-from gateway.serving.events import content_key, response_id
+from gateway.serving.events import content_key
 from gateway.serving.output_filter import OutputFilter
 from gateway.serving.routing import DecodeLeg
 
@@ -45,7 +45,8 @@ class Relay:
         self._request = request
         self._output_filter = output_filter
         self._charge_output = charge_output
-        self._response_id = response_id(request)
+        self._response_id = request.response_id
+        self._model = request.model.version_name
         self._content_key = content_key(request.endpoint)
         self._choice_tokens: dict[int, int] = {}
         self.finish_reason: str | None = None
@@ -136,6 +137,7 @@ class Relay:
             raise EngineError(f"decode worker {name} failed mid-stream: {chunk['error']}")
         chunk["id"] = self._response_id
         chunk["created"] = self._request.created
+        chunk["model"] = self._model  # the version that served it, whatever its workers call it
         chunk.pop("kv_transfer_params", None)
         return chunk
 
@@ -190,14 +192,19 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}s"
 
 
-def log_request_end(request: Request) -> None:
-    """One line per finished request: path, workers, latency and tokens."""
+def log_request_end(request: Request, trace_id: str | None = None) -> None:
+    """One line per finished request: path, workers, latency and tokens, and its trace id
+    when it was traced (``-`` otherwise)."""
     usage = request.usage
     log.info(
-        "request %s %s path=%s prefill=%s decode=%s prefill_leg=%s kv_blocks=%s kv_bytes=%s "
-        "decode_first_token=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s finish=%s",
+        "request %s %s trace=%s version=%s (%s) path=%s prefill=%s decode=%s prefill_leg=%s "
+        "kv_blocks=%s kv_bytes=%s decode_first_token=%s ttft=%.3fs e2e=%.3fs tokens=%s/%s "
+        "finish=%s",
         request.request_id,
         request.phase.name.lower(),
+        trace_id or "-",
+        request.model.version_name,
+        request.resolved_by,
         request.path,
         request.prefill_worker,
         request.decode_worker,

@@ -17,6 +17,7 @@ from admission.idempotency import HEADER as IDEMPOTENCY_HEADER
 from admission.idempotency import fingerprint, parse_idempotency_key
 from core.errors import InvalidRequestError
 from core.messages import Endpoint
+from core.models import ServedModel
 from gateway.errors import invalid_request_from_validation
 from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
 from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
@@ -24,6 +25,10 @@ from gateway.serving.idempotent import replay_response
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.sse import serve_stream
 from moderation.openai_shape import moderation_response, parse_moderation_input
+from telemetry.request_trace import operation_name
+
+SESSION_HEADER = "x-tandem-session"
+"""A client's sticky-assignment subject, when ``user`` / ``safety_identifier`` do not fit."""
 
 router = APIRouter()
 
@@ -69,22 +74,37 @@ async def moderations(http_request: HttpRequest, services: ServicesDep) -> dict[
 
 
 @router.get("/v1/models")
-async def list_models(http_request: HttpRequest, services: ServicesDep) -> dict[str, Any]:
-    """The served models, in OpenAI's list shape (a key is needed, as on OpenAI)."""
+async def list_models(
+    http_request: HttpRequest, services: ServicesDep, include_versions: bool = False
+) -> dict[str, Any]:
+    """The aliases served, in OpenAI's list shape (a key is needed, as on OpenAI); with
+    ``?include_versions=true`` each deployed version too (``"version_of"`` names its alias),
+    where clients may name versions directly."""
     await services.gate.authenticate(http_request.headers.get("authorization"))
+    catalog = services.catalog
+    deployments = catalog.deployments
+    data = []
+    for alias in deployments.aliases():
+        of_alias = deployments.of_alias(alias)
+        data.append(_model_entry(alias, of_alias[0].model))
+        policy = catalog.policy(alias)
+        if include_versions and (policy is None or policy.direct_access):
+            data += [
+                {**_model_entry(d.version, d.model), "version_of": alias}
+                for d in of_alias
+                if d.version != alias
+            ]
+    return {"object": "list", "data": data}
+
+
+def _model_entry(model_id: str, model: ServedModel) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": model.name,
-                "object": "model",
-                "created": model.created,
-                "owned_by": "tandem",
-                "max_model_len": model.max_model_len,
-                "default_max_tokens": model.output_cap,
-            }
-            for model in services.router.models
-        ],
+        "id": model_id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "tandem",
+        "max_model_len": model.max_model_len,
+        "default_max_tokens": model.output_cap,
     }
 
 
@@ -94,24 +114,37 @@ async def _serve(
     http_request: HttpRequest,
     services: ServingServices,
 ) -> Response:
-    """auth -> validate -> the flow -> the response (docs/WIRE.md)."""
+    """auth -> validate -> the flow -> the response (docs/WIRE.md). The request's trace
+    starts here, under the client's ``traceparent``; the flow ends it once the request ran,
+    this function when it ended before (refused, or replayed)."""
     headers = http_request.headers
-    caller = await services.gate.authenticate(headers.get("authorization"))
-    body = await _json_body(http_request)
+    trace = services.tracing.start(headers, operation_name(endpoint))
     try:
-        schema.model_validate(body)  # the client's own JSON is what the engine gets
-    except ValidationError as exc:
-        raise invalid_request_from_validation(exc) from exc
-    flow = RequestFlow(services)
-    deadline = request_deadline(
-        headers.get(TIMEOUT_HEADER), services.deadlines.default_s, services.deadlines.max_s
-    )
-    request = flow.receive(endpoint, body, caller, deadline)
-    idempotency_key = parse_idempotency_key(headers.get(IDEMPOTENCY_HEADER))
-    body_fingerprint = fingerprint(body) if idempotency_key else ""  # the client's own body
-    outcome = await flow.serve(
-        request, caller, idempotency_key, body_fingerprint, _client_gone(http_request)
-    )
+        with trace.span("tandem.authenticate"):
+            caller = await services.gate.authenticate(headers.get("authorization"))
+        body = await _json_body(http_request)
+        try:
+            schema.model_validate(body)  # the client's own JSON is what the engine gets
+        except ValidationError as exc:
+            raise invalid_request_from_validation(exc) from exc
+        flow = RequestFlow(services)
+        deadline = request_deadline(
+            headers.get(TIMEOUT_HEADER), services.deadlines.default_s, services.deadlines.max_s
+        )
+        idempotency_key = parse_idempotency_key(headers.get(IDEMPOTENCY_HEADER))
+        # The client's own body, before its version is resolved and its defaults filled in: a
+        # retry drawn to another version is still the same request.
+        body_fingerprint = fingerprint(body) if idempotency_key else ""
+        request = flow.receive(endpoint, body, caller, deadline, headers.get(SESSION_HEADER))
+        trace.received(request)
+        outcome = await flow.serve(
+            request, caller, idempotency_key, body_fingerprint, _client_gone(http_request), trace
+        )
+    except BaseException as exc:
+        trace.end(error=exc)
+        raise
+    if isinstance(outcome, Replayed):
+        trace.end()
     return await _render(outcome, request.stream, request.include_usage, endpoint, services)
 
 

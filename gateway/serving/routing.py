@@ -14,26 +14,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from core.errors import EngineError, EngineTimeoutError, ModelNotFoundError, NoHealthyWorkerError
+from core.errors import EngineError, EngineTimeoutError, NoHealthyWorkerError
 from core.messages import ServingPath, Usage
-from core.models import ServedModel
 from core.request import Request, RequestPhase
-from gateway.serving.events import response_id
 from gateway.serving.upstream import EngineClient, EngineStream
 from kv_transfer.affinity import prefix_key
 from kv_transfer.decider import DeciderConfig, Reason, decide
 from kv_transfer.handle import TransferHandle
 from kv_transfer.legs import colocated_body, decode_leg_body, prefill_leg_body
+from telemetry.request_trace import NO_LEG, NO_TRACE, LegSpan, RequestTrace
+from workers.deployments import Deployment, Deployments
 from workers.registry import Worker, WorkerSource, least_loaded, pick_by_affinity
 
 log = logging.getLogger("tandem.requests")
 
 T = TypeVar("T")
+
+FALLBACK_REASON = "tandem.fallback.reason"
+"""On a failed leg's span: why the request went on colocated."""
+RETRY_REASON = "tandem.retry.reason"
+"""On a re-run decode leg's span: why it was re-run."""
 
 # How long a client is told to wait when no worker is healthy: about one health-poll round
 # plus a worker restart's first backoff step.
@@ -42,8 +47,9 @@ _NO_WORKER_RETRY_AFTER_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """The workers a request goes to."""
+    """The workers a request goes to, all of its version's deployment."""
 
+    deployment: Deployment
     decode: Worker
     prefill: Worker | None
     """The prefill worker of a disaggregated request; None when it runs colocated."""
@@ -56,51 +62,50 @@ class DecodeLeg:
     worker: Worker
     stream: EngineStream | None = None
     answer: dict[str, Any] | None = None
+    span: LegSpan = NO_LEG
+    """The leg's trace span: a stream's ends with the stream (the flow ends it)."""
 
 
 class Router:
-    """Routes requests across the prefill and decode pools and runs their legs."""
+    """Routes requests across their version's prefill and decode pools and runs their legs."""
 
     def __init__(
         self,
         engine: EngineClient,
-        prefill: WorkerSource,
-        decode: WorkerSource,
-        models: Sequence[ServedModel],
+        deployments: Deployments,
         decider: DeciderConfig,
         kv_lease_s: float,
     ) -> None:
         """``kv_lease_s``: how long prefill workers keep KV nobody read (their connector's
         ``kv_lease_duration``); a handle older than that is not sent to a decode worker."""
         self._engine = engine
-        self._prefill = prefill
-        self._decode = decode
+        self._deployments = deployments
         self._decider = decider
         self._kv_lease_s = kv_lease_s
-        self.models = tuple(models)
-        self._models_by_name = {model.name: model for model in models}
 
-    def check_model(self, name: str) -> ServedModel:
-        """The served model of that name, or 404."""
-        model = self._models_by_name.get(name)
-        if model is None:
-            served = ", ".join(sorted(self._models_by_name))
-            raise ModelNotFoundError(
-                f"The model '{name}' does not exist on this server; served models: {served}",
-                param="model",
+    def deployment(self, request: Request) -> Deployment:
+        """The deployment of the request's version; 503 once it was undeployed."""
+        deployment = self._deployments.get(request.model.version_name)
+        if deployment is None:
+            raise NoHealthyWorkerError(
+                f"The model version {request.model.version_name} is no longer deployed; "
+                "retry to be routed to a live one.",
+                retry_after_s=1.0,
             )
-        return model
+        return deployment
 
-    def check_decode_available(self) -> None:
-        """503 at once when no decode worker is healthy: better than a long wait in the
-        admission queue for a worker that may take minutes to come back."""
-        _pick(self._decode, "decode")  # the same check and error as routing's
+    def check_decode_available(self, request: Request) -> None:
+        """503 at once when the request's version has no healthy decode worker: better than
+        a long wait in the admission queue for a worker that may take minutes to come back."""
+        _pick(self.deployment(request).decode, "decode")  # the same check and error as routing's
 
     def route(self, request: Request) -> Route:
-        """Pick the decode worker, decide the path, and for a split request its prefill
-        worker (the one the prompt's prefix hashes to, for vLLM's prefix cache)."""
-        decode_worker = _pick(self._decode, "decode")
-        prefill_workers = self._prefill.workers
+        """Pick the decode worker of the request's version, decide the path, and for a split
+        request its prefill worker of the same version (the one the prompt's prefix hashes
+        to, for vLLM's prefix cache): KV never crosses versions."""
+        deployment = self.deployment(request)
+        decode_worker = _pick(deployment.decode, "decode")
+        prefill_workers = deployment.prefill.workers
         assert request.estimate is not None  # admission counted the prompt
         decision = decide(
             request.estimate.prompt_tokens,
@@ -127,9 +132,11 @@ class Router:
             decode_worker.name,
             None if prefill_worker is None else prefill_worker.name,
         )
-        return Route(decode_worker, prefill_worker)
+        return Route(deployment, decode_worker, prefill_worker)
 
-    async def prefill(self, request: Request, prefill_worker: Worker) -> TransferHandle | None:
+    async def prefill(
+        self, request: Request, prefill_worker: Worker, trace: RequestTrace = NO_TRACE
+    ) -> TransferHandle | None:
         """Leg 1: the handle of the KV it computed, or None when the request falls back to
         colocated serving.
 
@@ -139,11 +146,12 @@ class Router:
         """
         request.leg_sent(decode=False)
         started = time.monotonic()
+        span = trace.leg("tandem.prefill", prefill_worker.name)
         try:
             with prefill_worker.lease():
                 prefilled = await self._engine.post_json(
                     prefill_worker, request.endpoint, prefill_leg_body(request.body),
-                    request.request_id, prefill=True,
+                    request.request_id, prefill=True, headers=span.headers,
                 )  # fmt: skip
             handle = TransferHandle.from_prefill_response(
                 prefilled, prefill_worker.name, lease_s=self._kv_lease_s
@@ -153,15 +161,21 @@ class Router:
                 "request %s: prefill on %s failed (%s); serving it colocated on %s",
                 request.request_id, prefill_worker.name, exc.message, request.decode_worker,
             )  # fmt: skip
+            span.end(error=exc, attributes={FALLBACK_REASON: str(Reason.PREFILL_FAILED)})
             request.fall_back(Reason.PREFILL_FAILED)
             return None
+        except BaseException as exc:
+            span.end(error=exc)
+            raise
         if handle.expired():
             log.warning(
                 "request %s: the KV on %s expired before leg 2; serving it colocated on %s",
                 request.request_id, prefill_worker.name, request.decode_worker,
             )  # fmt: skip
+            span.end(attributes={FALLBACK_REASON: str(Reason.KV_EXPIRED)})
             request.fall_back(Reason.KV_EXPIRED)
             return None
+        span.end(attributes={"tandem.kv.blocks": handle.num_blocks})
         # The decode worker pulls the KV when it schedules leg 2; the phase records the hand-off.
         request.handed_off(
             time.monotonic() - started, handle.num_blocks, request.model.kv_bytes(handle.num_blocks)
@@ -169,7 +183,11 @@ class Router:
         return handle
 
     async def decode(
-        self, request: Request, route: Route, handle: TransferHandle | None
+        self,
+        request: Request,
+        route: Route,
+        handle: TransferHandle | None,
+        trace: RequestTrace = NO_TRACE,
     ) -> DecodeLeg:
         """Leg 2, up to its first byte (streams) or its whole answer.
 
@@ -188,9 +206,10 @@ class Router:
         worker = route.decode
         if not request.stream:
             request.advance(RequestPhase.DECODING)
+        span = trace.leg("tandem.decode", worker.name)
         try:
             request.leg_sent(decode=True)
-            attempt = call(request, worker, leg)
+            attempt = call(request, worker, leg, span)
             if handle is not None and route.prefill is not None:
                 attempt = _unless_worker_lost(
                     attempt, route.prefill, self._decider.kv_source_check_s
@@ -198,22 +217,32 @@ class Router:
             return await attempt
         except EngineError as exc:
             if isinstance(exc, EngineTimeoutError) and not request.stream:
+                span.end(error=exc)
                 raise
             reason = (
                 Reason.PREFILL_LOST if isinstance(exc, KvSourceLostError) else Reason.DECODE_FAILED
             )
-            retry_worker = _pick_other(self._decode, worker) or worker
+            span.end(error=exc, attributes={FALLBACK_REASON: str(reason)})
+            retry_worker = _pick_other(route.deployment.decode, worker) or worker
             log.warning(
                 "request %s: decode on %s failed before the first byte (%s); re-running it "
                 "colocated on %s", request.request_id, worker.name, exc.message,
                 retry_worker.name,
             )  # fmt: skip
+        except BaseException as exc:
+            span.end(error=exc)
+            raise
         request.fall_back(reason, retry_worker.name)
         request.leg_sent(decode=True)
-        return await call(request, retry_worker, colocated_body(request.body))
+        span = trace.leg("tandem.decode", retry_worker.name, {RETRY_REASON: str(reason)})
+        try:
+            return await call(request, retry_worker, colocated_body(request.body), span)
+        except BaseException as exc:
+            span.end(error=exc)
+            raise
 
     async def _open_stream(
-        self, request: Request, worker: Worker, leg: dict[str, Any]
+        self, request: Request, worker: Worker, leg: dict[str, Any], span: LegSpan
     ) -> DecodeLeg:
         # Usage on every chunk too: a stream cut short (client gone, deadline, content
         # filter) is billed from the engine's own count of what it produced.
@@ -224,18 +253,24 @@ class Router:
         }
         with worker.lease():
             stream = await self._engine.open_stream(
-                worker, request.endpoint, leg, request.request_id
+                worker, request.endpoint, leg, request.request_id, span.headers
             )
-        return DecodeLeg(worker, stream=stream)
+        span.first_token()
+        return DecodeLeg(worker, stream=stream, span=span)
 
-    async def _answer(self, request: Request, worker: Worker, leg: dict[str, Any]) -> DecodeLeg:
+    async def _answer(
+        self, request: Request, worker: Worker, leg: dict[str, Any], span: LegSpan
+    ) -> DecodeLeg:
         leg["stream"] = False
         with worker.lease():
             answer = await self._engine.post_json(
-                worker, request.endpoint, leg, request.request_id, prefill=False
-            )
+                worker, request.endpoint, leg, request.request_id, prefill=False,
+                headers=span.headers,
+            )  # fmt: skip
+        span.end()
         answer.pop("kv_transfer_params", None)
-        answer["id"] = response_id(request)
+        answer["id"] = request.response_id
+        answer["model"] = request.model.version_name
         answer["created"] = request.created
         return DecodeLeg(worker, answer=answer)
 

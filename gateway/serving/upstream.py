@@ -9,8 +9,9 @@ error shapes (whose ``code`` is an int, which OpenAI clients do not accept).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -28,6 +29,7 @@ from gateway.serving.deadlines import within_deadline
 from workers.registry import Worker
 
 _CONTEXT_LENGTH_MARKERS = ("maximum context length", "context length", "max_model_len")
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +134,21 @@ class EngineClient:
             self._session = None
 
     async def post_json(
-        self, worker: Worker, path: str, body: dict[str, Any], request_id: str, *, prefill: bool
+        self,
+        worker: Worker,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        prefill: bool,
+        headers: Mapping[str, str] = _NO_HEADERS,
     ) -> dict[str, Any]:
-        """POST a non-streaming request and return its JSON body, or raise a Tandem error."""
+        """POST a non-streaming request and return its JSON body, or raise a Tandem error.
+        ``headers`` go along (the trace context of the leg)."""
         limit = self._config.prefill_timeout_s if prefill else self._config.decode_idle_timeout_s
         timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self._config.connect_timeout_s)
         try:
-            async with self._post(worker, path, body, request_id, timeout) as response:
+            async with self._post(worker, path, body, request_id, timeout, headers) as response:
                 data = await response.read()
                 if response.status != 200:
                     raise engine_status_error(worker, path, response.status, data)
@@ -152,7 +162,12 @@ class EngineClient:
         return _json_object(worker, data)
 
     async def open_stream(
-        self, worker: Worker, path: str, body: dict[str, Any], request_id: str
+        self,
+        worker: Worker,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        headers: Mapping[str, str] = _NO_HEADERS,
     ) -> EngineStream:
         """POST a streaming request; return once the worker sent its first event.
 
@@ -165,7 +180,7 @@ class EngineClient:
             sock_read=self._config.decode_idle_timeout_s,
         )
         try:
-            response = await self._post(worker, path, body, request_id, timeout)
+            response = await self._post(worker, path, body, request_id, timeout, headers)
         except TimeoutError as exc:
             raise EngineTimeoutError(f"worker {worker.name} did not answer") from exc
         except aiohttp.ClientError as exc:
@@ -193,13 +208,14 @@ class EngineClient:
         body: dict[str, Any],
         request_id: str,
         timeout: aiohttp.ClientTimeout,
+        headers: Mapping[str, str],
     ) -> aiohttp.client._RequestContextManager:
         if self._session is None:
             raise RuntimeError("EngineClient.start() was not called")
         return self._session.post(
             worker.base_url + path,
             data=orjson.dumps(body),
-            headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+            headers={"Content-Type": "application/json", "X-Request-Id": request_id, **headers},
             timeout=timeout,
         )
 

@@ -16,9 +16,8 @@ import orjson
 
 from billing.records import RequestStatus, UsageRecord
 from billing.service import Billing
-from core.moderation import Action
 from core.request import Request, RequestPhase
-from gateway.serving.events import content_key
+from gateway.serving.events import choice_text
 from moderation.redact import scrub_pii
 
 log = logging.getLogger("tandem.billing")
@@ -41,27 +40,21 @@ class UsageRecorder:
             billing.request_log_retention_s(request.tenant_id) is not None
         )
         self._output: list[str] | None = [] if keeps_log else None
-        self._content_key = content_key(request.endpoint)
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         """A chunk the client received (kept only for a tenant with a request log)."""
-        if self._output is None:
-            return
-        for choice in chunk.get("choices") or ():
-            piece = choice.get(self._content_key)
-            if isinstance(piece, dict):
-                piece = piece.get("content")
-            if isinstance(piece, str):
-                self._output.append(piece)
+        self._keep(chunk, streamed=True)
 
     def on_result(self, result: dict[str, Any]) -> None:
         """A non-streaming answer the client received."""
+        self._keep(result, streamed=False)
+
+    def _keep(self, received: dict[str, Any], *, streamed: bool) -> None:
         if self._output is None:
             return
-        for choice in result.get("choices") or ():
-            message = choice.get("message") or {}
-            text = message.get("content") if self._content_key == "delta" else choice.get("text")
-            if isinstance(text, str):
+        for choice in received.get("choices") or ():
+            text = choice_text(choice, self._request.endpoint, streamed=streamed)
+            if text is not None:
                 self._output.append(text)
 
     def record(self) -> None:
@@ -95,7 +88,7 @@ def usage_record(request: Request) -> UsageRecord:
     started_at_us = finished_at_us - round((ended - request.started_at) * 1e6)
     usage = request.usage
     prompt_tokens = usage.prompt_tokens if usage else 0
-    completion_tokens = usage.completion_tokens if usage else request.num_streamed_tokens
+    completion_tokens = request.output_tokens
     cached_tokens = min(usage.cached_tokens, prompt_tokens) if usage else 0
     ttft_s = request.ttft_s
     status = _STATUS.get(request.phase, RequestStatus.FAILED)
@@ -120,7 +113,7 @@ def usage_record(request: Request) -> UsageRecord:
         error_code=request.error_code
         if request.phase.is_terminal
         else request.error_code or "internal_error",
-        moderation_action=_strictest_action(request),
+        moderation_action=request.moderation_action,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
@@ -132,8 +125,3 @@ def usage_record(request: Request) -> UsageRecord:
         price_effective_from_us=None,
         currency="",
     )
-
-
-def _strictest_action(request: Request) -> str | None:
-    taken = [d.action for d in request.moderation if d.action is not Action.ALLOW]
-    return max(taken, key=lambda action: action.severity).value if taken else None

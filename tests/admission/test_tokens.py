@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CharCounter,
+    TokenCounters,
     TokenizerCounter,
     estimate_tokens,
 )
@@ -95,3 +96,28 @@ def test_counters(tmp_path: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert TokenizerCounter.for_model(tmp_path).count("a b c") == 3
+
+
+async def test_each_model_folder_counts_with_its_own_tokenizer(tmp_path: Path) -> None:
+    words, chars = tmp_path / "words", tmp_path / "chars"
+    words.mkdir()
+    chars.mkdir()  # no tokenizer.json: the character estimate
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(words / "tokenizer.json"))
+    counters = TokenCounters(Words())
+    text = "one two three four five six seven eight"  # 8 words, 40 characters
+    assert (await counters.for_dir(words)).count(text) == 8
+    assert (await counters.for_dir(chars)).count(text) == 10
+    assert (await counters.for_dir(None)).count(text) == 8  # the default
+    assert await counters.for_dir(words) is await counters.for_dir(words)  # loaded once
+    default = Words()
+    assert await TokenCounters(default, chars).for_dir(chars) is default  # not loaded again
+
+
+async def test_an_unreadable_tokenizer_falls_back_to_the_character_estimate(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {}}}')  # not a tokenizer
+    counter = await TokenCounters(Words()).for_dir(tmp_path)
+    assert counter.count("abcdefgh") == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,12 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from starlette.datastructures import Headers
 
+from admission.plans import PriorityBand
 from bench.harness.records import RequestRecord
 from bench.harness.runner import execute
 from bench.harness.summary import Slos, summarize
@@ -33,6 +38,7 @@ from bench.overhead.load import (
 from bench.overhead.measure import (
     CpuWindow,
     LevelResult,
+    Pooled,
     added_latency,
     core_busy,
     count_chunks,
@@ -42,10 +48,24 @@ from bench.overhead.measure import (
 )
 from bench.overhead.procs import Server, start_fake_engine
 from bench.overhead.profile import package_of, parse_collapsed
-from bench.overhead.servers import TandemSetup, gateway_paths, start_tandem
+from bench.overhead.report import tracing_table
+from bench.overhead.servers import TandemSetup, gateway_paths, start_tandem, tandem_env
+from bench.overhead.trace_cost import (
+    GATEWAY_SPANS_PER_REQUEST,
+    SpanCount,
+    TracingCost,
+    TracingRunConfig,
+    TracingRunError,
+    check_spans,
+    level_runs,
+    run_tracing,
+)
+from bench.overhead.trace_off import a_request, cpu_us_per_request, one_request
 from bench.overhead.vllm_wire import REQUIRED_REMOTE_KEYS
 from core.errors import EngineError
 from kv_transfer.handle import TransferHandle
+from telemetry.request_trace import NO_TRACE
+from telemetry.tracing import Tracing, TracingConfig
 from workers.kv_usage import parse_kv_usage
 
 MODEL = "fake-model"
@@ -268,6 +288,111 @@ def test_cli_runs_direct_and_writes_its_figures(tmp_path: Path) -> None:
     assert result["chunks_per_request"] == 4  # role chunk + 3 tokens
     assert figures["engine_stats"]["fake-decode"]["streams"] == result["summary"]["sent"] + 5
     assert figures["config"]["timing"]["tokens"] == 3
+
+
+def test_cli_refuses_tracing_with_targets_of_its_own() -> None:
+    assert main(["--tracing", "--targets", "direct"]) == 2
+    assert main(["--tracing", "--rounds", "0"]) == 2
+
+
+# --- tracing: the traced gateway, the calls tracing off makes, a whole run ---------------------
+def test_only_the_traced_gateway_exports_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")  # this shell's
+    endpoint = "http://127.0.0.1:4318/v1/traces"
+    off, on = TandemSetup(), TandemSetup(tracing=True)
+    assert (off.label, on.label) == ("tandem-2leg", "tandem-traced")
+    assert TandemSetup(two_legs=False, tracing=True).label == "tandem-colocated-traced"
+    # As the gateway's process gets them: this process's environment, then the setup's.
+    env_off = {**os.environ, **tandem_env(off, MODEL, tmp_path)}
+    env_on = {**os.environ, **tandem_env(on, MODEL, tmp_path, endpoint)}
+    assert not TracingConfig.from_env(env_off).enabled
+    assert TracingConfig.from_env(env_on) == TracingConfig(endpoint, sample_ratio=1.0)
+    assert {k: v for k, v in env_on.items() if not k.startswith("OTEL_")} == {
+        k: v for k, v in env_off.items() if not k.startswith("OTEL_")
+    }
+    with pytest.raises(ValueError, match="traces endpoint"):
+        tandem_env(on, MODEL, tmp_path)
+    with pytest.raises(ValueError, match="traces endpoint"):
+        tandem_env(off, MODEL, tmp_path, endpoint)
+
+
+async def test_the_timed_calls_are_the_gateways_and_cost_cpu() -> None:
+    assert cpu_us_per_request(num_requests=2000, repeats=1) > 0
+    band = PriorityBand.STANDARD
+    off = Tracing(TracingConfig())
+    assert off.start(Headers(), "chat") is NO_TRACE
+    assert one_request(off, Headers(), a_request(), band) == (0, None)
+    # Traced, the same calls build the gateway's tree (less tandem.kv_transfer, which the
+    # request's timestamps make when it ends) and send a traceparent with each leg.
+    exporter = InMemorySpanExporter()
+    on = Tracing(TracingConfig(), exporter=exporter)
+    sent, trace_id = one_request(on, Headers(), a_request(), band)
+    await on.aclose()
+    assert sent == 2 and trace_id is not None
+    assert sorted(span.name for span in exporter.get_finished_spans()) == [
+        "chat fake-model", "tandem.admission.queue", "tandem.authenticate", "tandem.billing",
+        "tandem.decode", "tandem.moderation.input", "tandem.prefill",
+    ]  # fmt: skip
+    assert GATEWAY_SPANS_PER_REQUEST == 7 + 1  # those, and tandem.kv_transfer
+
+
+def test_tracing_table_and_span_check() -> None:
+    records = [record(i, 0.001, [0.02] * 9) for i in range(4)]  # 4 requests, 10 chunks each
+
+    def rounds(*cpu_s: float) -> Pooled:
+        return Pooled(tuple(level(cpu, records) for cpu in cpu_s))
+
+    # 10 ms per request off; on: +9 % then +7 %, +8 % pooled. The calls off: 50 µs, 0.5 %.
+    cost = TracingCost(1, rounds(0.040, 0.040), rounds(0.0436, 0.0428), off_path_us=50.0)
+    assert cost.added_on == pytest.approx(0.08) and cost.on_holds
+    assert cost.added_on_by_round == pytest.approx([0.09, 0.07])
+    assert cost.added_off == pytest.approx(0.005) and cost.off_holds
+    costly = TracingCost(1, rounds(0.040), rounds(0.048), off_path_us=200.0)
+    assert (costly.on_holds, costly.off_holds) == (False, False)
+    console = Console(record=True, width=240)
+    console.print(tracing_table([cost, costly], {}))
+    text = console.export_text()
+    assert "rounds +7.00 %..+9.00 %" in text and "+8.00 %" in text and "+0.50 %" in text
+    assert "+20.00 %" in text and "+2.00 %" in text and text.count("NO") == 2
+    assert text.count("<= 10 %") == 2 and text.count("<= 1 %") == 2
+    assert cost.to_dict()["off_path_us_per_request"] == 50.0
+
+    check_spans(SpanCount(received=80, exports=2, traced_requests=10))
+    with pytest.raises(TracingRunError, match="no span"):
+        check_spans(SpanCount(received=0, exports=0, traced_requests=10))
+    with pytest.raises(TracingRunError, match="dropped"):
+        check_spans(SpanCount(received=70, exports=2, traced_requests=10))
+
+
+def test_a_tracing_round_runs_every_level_and_the_fit() -> None:
+    spec = LoadSpec(num_tokens=32)
+    config = TracingRunConfig(levels=[16], spec=spec, timing=Timing(), fit_concurrency=64)
+    assert [(c, s.num_tokens) for c, s in level_runs(config)] == [(16, 32), (64, 1), (64, 32)]
+    config = dataclasses.replace(config, levels=[64])
+    assert [(c, s.num_tokens) for c, s in level_runs(config)] == [(64, 32), (64, 1)]
+    assert level_runs(dataclasses.replace(config, fit_concurrency=None)) == [(64, spec)]
+
+
+async def test_a_tracing_run_counts_the_traced_gateways_spans() -> None:
+    config = TracingRunConfig(
+        levels=[2],
+        spec=LoadSpec(prompt_words=8, num_tokens=3, min_requests=4, max_requests=4),
+        timing=Timing(num_tokens=3, itl_s=0.002),
+        rounds=1,
+        fit_concurrency=None,
+        pin=False,
+        idle_s=0.1,
+        off_path_requests=1000,
+    )
+    out = await run_tracing(config, Console(quiet=True))
+    (cost,) = out.costs
+    assert (cost.off.num_requests, cost.on.num_requests, cost.off.num_failed) == (4, 4, 0)
+    assert out.spans is not None  # 5 warm-up requests and 4 measured, 8 spans each
+    assert (out.spans.traced_requests, out.spans.received) == (9, 9 * GATEWAY_SPANS_PER_REQUEST)
+    assert out.paths["tandem-traced"] == {"disaggregated/long_prompt/finished": 9.0}
+    assert out.off_path_us > 0 and out.receiver_cpu_s is not None
 
 
 # --- the figures ------------------------------------------------------------------------------

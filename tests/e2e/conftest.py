@@ -19,11 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import psutil
 import pytest
+
+from tests.otlp_receiver import OtlpReceiver, receiver_in_thread
 
 BOOT_TIMEOUT_S = 900.0
 ADMIN_KEY = "e2e-admin-key"
@@ -41,6 +44,7 @@ class LiveStack:
     api_key: str  # a key of the unlimited ``e2e`` tenant, created through the admin API
     log_dir: Path | None = None  # each worker's log, <role>-<i>.log
     pid: int = 0  # of ``tandem up``: the workers are its children
+    version: str = ""  # the version ``model`` resolves to (alias@8hex): what the workers serve
 
     @property
     def admin(self) -> httpx.Client:
@@ -57,6 +61,24 @@ class LiveStack:
             issued = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
             assert issued.status_code == 201, issued.text
             return str(issued.json()["key"])
+
+
+LONG_PROMPT = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
+"""Long enough for the decider to split it across the prefill and decode workers."""
+
+
+def traced_stream(live_stack: LiveStack, trace_id: str, parent_span: str) -> set[str]:
+    """A disaggregated 8-token chat stream under the client span ``parent_span`` of
+    ``trace_id`` (W3C ``traceparent``, sampled); the chunks' ids."""
+    client = openai.OpenAI(base_url=f"{live_stack.base_url}/v1", api_key=live_stack.api_key)
+    stream = client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=8,
+        stream=True,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent_span}-01"},
+    )
+    return {chunk.id for chunk in stream}
 
 
 def ledger_rows(live_stack: LiveStack, tenant: str | None = None) -> list[dict[str, str]]:
@@ -99,7 +121,16 @@ def _is_free(port: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """Where the stack's gateway and vLLM workers export their spans (tests/e2e/test_tracing.py)."""
+    with receiver_in_thread() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def live_stack(
+    tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver
+) -> Iterator[LiveStack]:
     base = _free_port_block(8)
     workdir = tmp_path_factory.mktemp("stack")
     env = {
@@ -119,6 +150,15 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         # streams queue about a minute each, past the default 60 s queue timeout.
         "TANDEM_MAX_IN_FLIGHT_PER_WORKER": "8",
         "TANDEM_QUEUE_TIMEOUT_S": "300",
+        # Issue 21's rollouts (test_rollouts.py): bakes of seconds want fine windows and cost
+        # samples, and a price per worker for the cost gate.
+        "TANDEM_ROLLOUT_WINDOW_BUCKET_S": "1",
+        "TANDEM_TELEMETRY_INTERVAL_S": "1",
+        "TANDEM_WORKER_COST_PER_HOUR": "1.0",
+        # Issue 22's traces (test_tracing.py): every request, exported within a fraction of a
+        # second, by the gateway and by both workers.
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp_receiver.url,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
     log_path = workdir / "tandem-up.log"
     with log_path.open("wb") as log:
@@ -136,9 +176,10 @@ def live_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     api_key = stack.new_tenant("e2e")
     models = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     model = models.json()["data"][0]["id"]
+    [version] = ready["versions"]
     yield LiveStack(
         gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN, api_key,
-        log_dir=workdir / "logs", pid=process.pid,
+        log_dir=workdir / "logs", pid=process.pid, version=version,
     )  # fmt: skip
 
     # Collected now, not at boot: workers restarted during the session must not linger either.
@@ -181,7 +222,7 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _wait_ready(gateway: str, process: subprocess.Popen[bytes], log_path: Path) -> dict:
+def _wait_ready(gateway: str, process: subprocess.Popen[bytes], log_path: Path) -> dict[str, Any]:
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:

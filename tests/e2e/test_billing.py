@@ -25,7 +25,7 @@ def test_real_usage_is_recorded_and_priced(live_stack: LiveStack) -> None:
     )
     (row,) = ledger_rows(live_stack, "billing-e2e")
     version = row["model_version"]
-    assert version.startswith("smollm2")  # the prepared folder: name + content hash
+    assert version == first.model == live_stack.version  # alias@8hex: the version that served it
     assert first.usage is not None
     assert int(row["prompt_tokens"]) == first.usage.prompt_tokens
     assert int(row["completion_tokens"]) == first.usage.completion_tokens

@@ -73,11 +73,10 @@ def test_decider_short_prompt_colocated_long_prompt_split(
     def count(path: str, reason: str) -> float:
         text = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
         pattern = (
-            rf'^tandem_requests_total\{{outcome="finished",path="{path}",reason="{reason}"\}}'
-            r"\s+([0-9.]+)$"
+            rf'^tandem_requests_total\{{model="[^"]+",outcome="finished",path="{path}",'
+            rf'reason="{reason}",version="[^"]+"\}}\s+([0-9.]+)$'
         )
-        found = re.search(pattern, text, re.M)
-        return float(found.group(1)) if found else 0.0
+        return sum(float(found) for found in re.findall(pattern, text, re.M))  # all versions
 
     short_before = count("colocated", "short_prompt")
     long_before = count("disaggregated", "long_prompt")

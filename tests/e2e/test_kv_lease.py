@@ -28,7 +28,7 @@ def test_abandoned_prefill_kv_returns_to_baseline(live_stack: LiveStack) -> None
     words = uuid.uuid4().hex + " " + "the quick brown fox jumps over the lazy dog " * 40
     body = prefill_leg_body(
         {
-            "model": live_stack.model,
+            "model": live_stack.version,  # the name the workers serve
             "messages": [{"role": "user", "content": f"Repeat: {words}"}],
             "max_tokens": 8,
         }

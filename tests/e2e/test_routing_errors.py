@@ -6,6 +6,7 @@ The session's gateway stays untouched; these gateways share its vLLM workers.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import socket
 import tempfile
@@ -25,6 +26,7 @@ from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
 from gateway.assembly.stores import StoreConfig
 from gateway.serving.upstream import UpstreamConfig
 from tests.e2e.conftest import LiveStack, _free_port_block
+from workers.deployments import Deployment, Deployments
 from workers.pool import PoolConfig, WorkerPool
 
 pytestmark = pytest.mark.e2e
@@ -33,8 +35,11 @@ QUESTION = [{"role": "user", "content": "Hi"}]
 
 
 @contextmanager
-def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[openai.OpenAI]:
-    """A gateway on its own thread and event loop over external workers at these URLs."""
+def gateway_over(
+    model: str, prefill_url: str, decode_url: str, served_as: str | None = None
+) -> Iterator[openai.OpenAI]:
+    """A gateway on its own thread and event loop over external workers at these URLs, which
+    serve ``served_as`` (default: ``model``)."""
     port = _free_port_block(1)
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-e2e-"))
     started = threading.Event()
@@ -55,9 +60,9 @@ def gateway_over(model: str, prefill_url: str, decode_url: str) -> Iterator[open
                     auth_required=False, stores=StoreConfig(sqlite_path=state_dir / "t.db")
                 ),
             ),
-            pools[0],
-            pools[1],
-            [ServedModel(model, None, 0)],
+            Deployments(
+                [Deployment(ServedModel(model, None, 0, served_as=served_as), pools[0], pools[1])]
+            ),
         )
         server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -134,15 +139,19 @@ def _long_request_metrics(client: openai.OpenAI, model: str) -> str:
 def test_prefill_leg_without_a_handle_falls_back_to_colocated(live_stack: LiveStack) -> None:
     # A "prefill worker" that answers the leg but is no KV producer (here: the session's own
     # gateway, which never returns kv_transfer_params): the answer still comes, colocated.
-    with gateway_over(live_stack.model, live_stack.base_url, live_stack.decode_url) as client:
+    with gateway_over(
+        live_stack.model, live_stack.base_url, live_stack.decode_url, live_stack.version
+    ) as client:
         metrics = _long_request_metrics(client, live_stack.model)
-    assert 'path="fallback",reason="prefill_failed"} 1.0' in metrics
+    assert re.search(r'path="fallback",reason="prefill_failed",version="[^"]+"\} 1\.0', metrics)
 
 
 def test_dead_prefill_pool_falls_back_to_colocated(live_stack: LiveStack) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{held.getsockname()[1]}"
-        with gateway_over(live_stack.model, dead, live_stack.decode_url) as client:
+        with gateway_over(
+            live_stack.model, dead, live_stack.decode_url, live_stack.version
+        ) as client:
             metrics = _long_request_metrics(client, live_stack.model)
-    assert 'path="fallback",reason="no_healthy_prefill"} 1.0' in metrics
+    assert re.search(r'path="fallback",reason="no_healthy_prefill",version="[^"]+"\} 1\.0', metrics)

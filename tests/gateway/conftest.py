@@ -31,6 +31,7 @@ from gateway.cli.main import main
 from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
+from workers.deployments import Deployment, Deployments
 from workers.pool import PoolConfig, WorkerPool
 
 MODEL = "fake-model"
@@ -157,7 +158,8 @@ async def make_fake_stack(
         ),
     )
     config = dataclasses.replace(config, **(gateway or {}))
-    app = create_app(config, pools[0], pools[1], [model or ServedModel(MODEL, 256, 0)])
+    deployment = Deployment(model or ServedModel(MODEL, 256, 0), pools[0], pools[1])
+    app = create_app(config, Deployments([deployment]))
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -166,9 +168,12 @@ async def make_fake_stack(
     await wait_until(lambda: server.started)
     base_url = f"http://127.0.0.1:{port}"
     admin = httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    # The client needs the key, which needs the running server: set below.
     stack = FakeStack(
-        base_url, prefills[0], decodes[0], pools[0], pools[1], None, decodes, prefills, "", admin
-    )  # type: ignore[arg-type]  # the client needs the key, which needs the running server
+        base_url, prefills[0], decodes[0], pools[0], pools[1],
+        None,  # type: ignore[arg-type]
+        decodes, prefills, "", admin,
+    )  # fmt: skip
     try:
         if config.access.admin_key == ADMIN_KEY:
             stack.api_key = await stack.new_tenant("default")
@@ -179,12 +184,45 @@ async def make_fake_stack(
             await stack.client.close()
         await admin.aclose()
         shutil.rmtree(state_dir, ignore_errors=True)
-        server.should_exit = True
-        await serving
+        await stop_server(server, serving)
         for pool in pools:
             await pool.aclose()
         for engine in (*prefills, *decodes):
             await engine.aclose()
+
+
+async def stop_server(
+    server: uvicorn.Server, serving: asyncio.Task[None], timeout_s: float = 30.0
+) -> None:
+    """Stop a test gateway: a graceful shutdown that does not end within ``timeout_s`` fails
+    the test with the stacks of the tasks still running (a request task that never ends is a
+    leak), instead of hanging the session until pytest's timeout."""
+    server.should_exit = True
+    done, _ = await asyncio.wait({serving}, timeout=timeout_s)
+    if done:
+        serving.result()
+        return
+    stuck = _task_stacks()
+    server.force_exit = True  # uvicorn stops waiting for connections and tasks
+    await asyncio.wait({serving}, timeout=timeout_s)
+    pytest.fail(f"the gateway did not stop within {timeout_s:.0f} s; still running:\n{stuck}")
+
+
+def _task_stacks() -> str:
+    """Each pending task and the chain of coroutines it is suspended in, innermost last."""
+    lines: list[str] = []
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task():
+            continue
+        lines.append(f"- {task.get_name()}")
+        awaiting: Any = task.get_coro()
+        while awaiting is not None:
+            frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "ag_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                lines.append(f"    {code.co_filename}:{frame.f_lineno} {code.co_name}")
+            awaiting = getattr(awaiting, "cr_await", None) or getattr(awaiting, "ag_await", None)
+    return "\n".join(lines)
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ failing test leaves no process behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,3 +158,34 @@ def _wait_http_ok(process: Process, path: str) -> None:
                 + process.log_tail()
             )
         time.sleep(0.05)
+
+
+ADMIN_KEY = "replicas-admin-key"
+
+
+def admin_client(replica: Process) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=replica.base_url,
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=10.0,
+    )
+
+
+async def create_tenant(admin: httpx.AsyncClient, name: str, **plan: object) -> tuple[str, str]:
+    """Create a tenant and issue a key; return (key id, key)."""
+    created = await admin.post("/admin/v1/tenants", json={"name": name, **plan})
+    assert created.status_code == 201, created.text
+    issued = await admin.post(f"/admin/v1/tenants/{name}/keys", json={})
+    assert issued.status_code == 201, issued.text
+    return str(issued.json()["key_id"]), str(issued.json()["key"])
+
+
+async def seconds_until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> float:
+    """Poll ``condition()`` every 20 ms; return how long it took to become true."""
+    start = time.monotonic()
+    while not await condition():
+        elapsed = time.monotonic() - start
+        if elapsed > timeout_s:
+            raise AssertionError(f"condition still false after {elapsed:.2f} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start

@@ -7,8 +7,9 @@ import pytest
 
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stack import Stack
-from gateway.cli.main import _parser, _port_is_free, _settings_from_args, main
-from workers.model import PreparedModel
+from gateway.assembly.supervisor import port_is_free
+from gateway.cli.main import _parser, _settings_from_args, main
+from tests.fakes.model_folder import fake_version
 from workers.process import worker_argv
 
 
@@ -44,7 +45,7 @@ def test_port_probe() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        assert not _port_is_free("127.0.0.1", busy.getsockname()[1])
+        assert not port_is_free("127.0.0.1", busy.getsockname()[1])
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,7 +59,8 @@ def test_managed_workers_get_the_step_budget_and_extra_flags(
 ) -> None:
     monkeypatch.setenv("TANDEM_WORKER_EXTRA_ARGS", "--num-gpu-blocks-override 9 --seed '7'")
     monkeypatch.setenv("TANDEM_DECODE_STEP_TOKENS", "48")
-    stack = Stack.from_settings(TandemSettings(), PreparedModel(tmp_path, "smol", 2048))
+    version = fake_version(tmp_path)
+    stack = Stack.from_settings(TandemSettings(), version)
     [prefill] = [worker_argv(spec) for spec in stack.prefill.config.specs]
     [decode] = [worker_argv(spec) for spec in stack.decode.config.specs]
     for argv in (prefill, decode):
@@ -66,7 +68,7 @@ def test_managed_workers_get_the_step_budget_and_extra_flags(
     assert decode[decode.index("--max-num-batched-tokens") + 1] == "48"
     assert "--max-num-batched-tokens" not in prefill  # prefill workers run no streams
     monkeypatch.setenv("TANDEM_DECODE_STEP_TOKENS", "0")  # vLLM's own budget
-    stack = Stack.from_settings(TandemSettings(), PreparedModel(tmp_path, "smol", 2048))
+    stack = Stack.from_settings(TandemSettings(), version)
     assert all(
         "--max-num-batched-tokens" not in worker_argv(spec) for spec in stack.decode.config.specs
     )

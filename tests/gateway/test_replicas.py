@@ -25,7 +25,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +33,19 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.replica import Process, fake_engine_process, gateway_process, wait_ready
+from tests.gateway.replica import (
+    ADMIN_KEY,
+    Process,
+    admin_client,
+    create_tenant,
+    fake_engine_process,
+    gateway_process,
+    seconds_until,
+    wait_ready,
+)
 from tests.redis_server import running_redis
 
 MODEL = "fake-model"
-ADMIN_KEY = "replicas-admin-key"
 PROMPT_TOKENS = 100
 OUTPUT_WORDS = 899
 MAX_TOKENS = 1_400
@@ -109,23 +117,6 @@ def replicas() -> Iterator[Replicas]:
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def admin_client(replica: Process) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=replica.base_url,
-        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-        timeout=10.0,
-    )
-
-
-async def create_tenant(admin: httpx.AsyncClient, name: str, **plan: object) -> tuple[str, str]:
-    """Create a tenant and issue a key; return (key id, key)."""
-    created = await admin.post("/admin/v1/tenants", json={"name": name, **plan})
-    assert created.status_code == 201, created.text
-    issued = await admin.post(f"/admin/v1/tenants/{name}/keys", json={})
-    assert issued.status_code == 201, issued.text
-    return str(issued.json()["key_id"]), str(issued.json()["key"])
-
-
 def completion_body(*, stream: bool = False) -> dict[str, object]:
     body: dict[str, object] = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
     if stream:
@@ -140,17 +131,6 @@ async def auth_status(client: httpx.AsyncClient, key: str) -> int:
         "/v1/completions", json={}, headers={"Authorization": f"Bearer {key}"}
     )
     return response.status_code
-
-
-async def seconds_until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> float:
-    """Poll ``condition()`` every 20 ms; return how long it took to become true."""
-    start = time.monotonic()
-    while not await condition():
-        elapsed = time.monotonic() - start
-        if elapsed > timeout_s:
-            raise AssertionError(f"condition still false after {elapsed:.2f} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 @dataclass(slots=True)

@@ -156,7 +156,7 @@ async def test_prefill_failure_falls_back_to_colocated(fake_stack: FakeStack) ->
     assert fake_stack.decode.stats.num_local_prefills == 1
     metrics = await _metrics(fake_stack)
     assert (
-        'tandem_requests_total{outcome="finished",path="fallback",reason="prefill_failed"} 1.0'
+        'tandem_requests_total{model="fake-model",outcome="finished",path="fallback",reason="prefill_failed",version="fake-model"} 1.0'
         in metrics
     )
 
@@ -174,7 +174,7 @@ async def test_a_handle_past_its_lease_is_not_forwarded() -> None:
     assert "kv_transfer_params" not in leg2["body"]
     assert stack.decode.stats.num_local_prefills == 1
     assert (
-        'tandem_requests_total{outcome="finished",path="fallback",reason="kv_expired"} 1.0'
+        'tandem_requests_total{model="fake-model",outcome="finished",path="fallback",reason="kv_expired",version="fake-model"} 1.0'
         in metrics
     )
 
@@ -186,15 +186,19 @@ async def test_metrics_count_paths_tokens_and_worker_state(fake_stack: FakeStack
     )
     metrics = await _metrics(fake_stack)
     assert (
-        'tandem_requests_total{outcome="finished",path="disaggregated",reason="long_prompt"} 1.0'
+        'tandem_requests_total{model="fake-model",outcome="finished",path="disaggregated",reason="long_prompt",version="fake-model"} 1.0'
         in metrics
     )
     assert (
-        'tandem_requests_total{outcome="finished",path="colocated",reason="n_gt_1"} 1.0' in metrics
+        'tandem_requests_total{model="fake-model",outcome="finished",path="colocated",reason="n_gt_1",version="fake-model"} 1.0'
+        in metrics
     )
-    assert 'tandem_tokens_total{kind="completion"} 6.0' in metrics
+    assert (
+        'tandem_tokens_total{kind="completion",model="fake-model",version="fake-model"} 6.0'
+        in metrics
+    )
     assert 'tandem_worker_healthy{role="decode",worker="decode-ext-0"} 1.0' in metrics
-    ttft = 'tandem_time_to_first_token_seconds_count{band="standard",path="disaggregated"} 1.0'
+    ttft = 'tandem_time_to_first_token_seconds_count{band="standard",path="disaggregated",version="fake-model"} 1.0'
     assert ttft in metrics
     # The workers' own counters, re-exported per worker.
     assert re.search(
@@ -397,7 +401,9 @@ async def test_decode_failure_before_first_byte_is_rerun_colocated(fake_stack: F
         "include_usage": True,
         "continuous_usage_stats": True,
     }
-    assert 'path="fallback",reason="decode_failed"} 1.0' in await _metrics(fake_stack)
+    assert 'path="fallback",reason="decode_failed",version="fake-model"} 1.0' in await _metrics(
+        fake_stack
+    )
 
 
 async def test_stalled_first_byte_is_rerun_on_another_decode_worker() -> None:
@@ -445,7 +451,7 @@ async def test_a_prefill_worker_lost_during_the_hand_off_is_not_waited_for(strea
         assert "kv_transfer_params" not in rerun["body"], "the re-run is colocated"
         await wait_until(lambda: reading.stats.num_aborted == 1)  # the stuck leg was dropped
         metrics = await _metrics(stack)
-    assert 'path="fallback",reason="prefill_lost"} 1.0' in metrics
+    assert 'path="fallback",reason="prefill_lost",version="fake-model"} 1.0' in metrics
 
 
 async def test_non_streaming_timeout_is_not_retried() -> None:

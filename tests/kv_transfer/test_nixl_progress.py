@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -12,7 +13,14 @@ import pytest
 
 from kv_transfer import nixl_progress
 from kv_transfer.connector import ConnectorConfig, connector_env
-from kv_transfer.nixl_progress import DELAY_ENV, DelayedAgentBinding, install, parse_delay
+from kv_transfer.nixl_progress import (
+    DELAY_ENV,
+    KEEP_BINDING_ENV,
+    DelayedAgentBinding,
+    install,
+    keeping_binding,
+    parse_delay,
+)
 
 
 class FakeBinding(ModuleType):
@@ -124,3 +132,44 @@ def test_a_real_idle_nixl_agent_no_longer_spins_a_core(monkeypatch: pytest.Monke
     finally:
         del agent
     assert share < 0.5, f"an idle NIXL agent used {share:.2f} of a core"
+
+
+def _call_from_module(name: str, setaffinity: Any, pid: int = 0) -> None:
+    """Call ``setaffinity(pid, {1})`` from a function whose module is ``name``."""
+    namespace: dict[str, Any] = {"__name__": name, "setaffinity": setaffinity, "pid": pid}
+    exec("def reserve():\n    setaffinity(pid, {1})\n", namespace)
+    namespace["reserve"]()
+
+
+def test_nixl_moving_the_main_thread_is_skipped_and_nothing_else() -> None:
+    calls: list[tuple[int, set[int]]] = []
+    guarded = keeping_binding(lambda pid, mask: calls.append((pid, set(mask))))
+    _call_from_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", guarded)
+    assert calls == []  # the worker's main thread keeps its binding
+    _call_from_module("vllm.v1.worker.cpu_worker", guarded)  # vLLM's own OpenMP binding
+    _call_from_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.x", guarded, pid=42)
+    worker = threading.Thread(
+        target=_call_from_module,
+        args=("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", guarded),
+    )
+    worker.start()
+    worker.join()
+    assert calls == [(0, {1}), (42, {1}), (0, {1})]
+
+
+def test_register_keeps_the_binding_only_where_tandem_pinned_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = nixl_progress.os.sched_setaffinity
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+    monkeypatch.delenv(KEEP_BINDING_ENV, raising=False)
+    nixl_progress.register()
+    assert nixl_progress.os.sched_setaffinity is original
+    monkeypatch.setenv(KEEP_BINDING_ENV, "1")
+    monkeypatch.setattr(nixl_progress.os, "sched_setaffinity", original)
+    nixl_progress.register()
+    nixl_progress.register()  # twice: wrapped once
+    wrapped = nixl_progress.os.sched_setaffinity
+    assert wrapped is not original and getattr(wrapped, "tandem_keeps_binding", False)
+    assert wrapped.__closure__ is not None
+    assert original in [cell.cell_contents for cell in wrapped.__closure__]

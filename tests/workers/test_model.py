@@ -108,6 +108,8 @@ def test_public_exports() -> None:
         "GgufConverter",
         "ModelPreparationError",
         "PreparedModel",
+        "prepare_in_subprocess",
+        "remembered_digest",
         "ProgressReporter",
         "RichProgress",
         "convert_gguf",

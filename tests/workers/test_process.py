@@ -22,6 +22,7 @@ import psutil
 from core.messages import WorkerRole
 from decode_pool import decode_worker_specs
 from kv_transfer.connector import ConnectorConfig
+from kv_transfer.nixl_progress import KEEP_BINDING_ENV
 from prefill_pool import prefill_worker_specs
 from workers.process import LaunchConfig, WorkerProcess, WorkerSpec, worker_argv, worker_env
 
@@ -155,6 +156,9 @@ def test_prefill_and_decode_command_lines() -> None:
     assert worker_env(decode_0)["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert worker_env(decode_1)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "6201"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in worker_env(decode_1)  # past the end of cpu_binds
+    # Pinned workers ask Tandem's vLLM plugin to keep NIXL from moving the model's thread.
+    assert worker_env(decode_0)[KEEP_BINDING_ENV] == "1"
+    assert KEEP_BINDING_ENV not in worker_env(decode_1)
 
 
 def test_optional_flags_are_left_out() -> None:

@@ -1,0 +1,1 @@
+"""The planner's simulator and its traces (issue 23)."""

@@ -1,0 +1,92 @@
+"""The planner of one version at work: every interval, read the load, take a step, carry out
+what changed. One owner per version's pools (the gateway holding the planner's lease, once it
+runs in the gateway; the simulator drives ``loop.Planner`` directly).
+
+A failure to read the load skips the step (no decision on no evidence); an actuator that
+refuses leaves the pool as it is and the next step asks again. Every decision is kept
+(``history``) with its reason, for ``tandem planner status``, ``/metrics`` and the audit log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from planner.actuate import Actuator, ActuatorError, PoolName
+from planner.loop import Observation, Planner
+from planner.replicas import Load, Observed
+from planner.scaling import Decision
+
+log = logging.getLogger("tandem.planner")
+
+
+class LoadUnavailable(Exception):
+    """The metrics could not be read; the message says which and why."""
+
+
+class LoadSource(Protocol):
+    async def interval(self, version: str, window_s: float) -> tuple[Load, Observed]:
+        """The version's load and mean latencies over the last ``window_s`` seconds."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """One pool's decision at one step, and whether it was carried out."""
+
+    at: float
+    pool: PoolName
+    decision: Decision
+    error: str | None = None
+
+
+class PlannerController:
+    def __init__(
+        self,
+        version: str,
+        planner: Planner,
+        source: LoadSource,
+        actuator: Actuator,
+        clock: Callable[[], float],
+        history: int = 200,
+    ) -> None:
+        self.version = version
+        self._planner = planner
+        self._source = source
+        self._actuator = actuator
+        self._clock = clock
+        self.history: deque[Applied] = deque(maxlen=history)
+
+    async def run_once(self) -> list[Applied]:
+        """One step; the decisions taken (none when the load could not be read)."""
+        try:
+            load, latency = await self._source.interval(self.version, self._planner.interval_s)
+            prefill = await self._actuator.state(self.version, "prefill")
+            decode = await self._actuator.state(self.version, "decode")
+        except (LoadUnavailable, ActuatorError) as exc:
+            log.warning("planner %s: no step this interval: %s", self.version, exc)
+            return []
+        now = self._clock()
+        step = self._planner.step(now, Observation(load, latency, prefill, decode))
+        applied = [
+            await self._apply(now, "prefill", step.prefill),
+            await self._apply(now, "decode", step.decode),
+        ]
+        self.history.extend(applied)
+        return applied
+
+    async def _apply(self, now: float, pool: PoolName, decision: Decision) -> Applied:
+        if not decision.changes:
+            return Applied(now, pool, decision)
+        try:
+            await self._actuator.scale(self.version, pool, decision.desired, decision.reason)
+        except ActuatorError as exc:
+            log.warning("planner %s: %s not scaled to %d: %s", self.version, pool,
+                        decision.desired, exc)  # fmt: skip
+            return Applied(now, pool, decision, str(exc))
+        log.info("planner %s: %s %d -> %d (%s)", self.version, pool, decision.current,
+                 decision.desired, decision.reason)  # fmt: skip
+        return Applied(now, pool, decision)

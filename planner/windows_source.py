@@ -1,0 +1,34 @@
+"""The planner's load from the gateway's own per-version windows (``traffic.windows``): the
+embedded default, as the rollout gates' ``WindowsProvider`` is. With several gateways it sees
+one replica's share; a Prometheus source over every replica is the multi-gateway one (to come).
+
+Rate = requests that ended in the window / the window; lengths are means per request; TTFT and
+ITL are the window's means (the profile's correction works on means, as Dynamo's does). The
+prefill backlog is not in the windows (queued prompts have not ended): 0 here.
+"""
+
+from __future__ import annotations
+
+from planner.replicas import Load, Observed
+from traffic.windows import VersionWindows
+
+
+class WindowsLoadSource:
+    def __init__(self, windows: VersionWindows) -> None:
+        self._windows = windows
+
+    async def interval(self, version: str, window_s: float) -> tuple[Load, Observed]:
+        snapshot = self._windows.snapshot(version, min(window_s, self._windows.horizon_s))
+        count = snapshot.num_requests
+        if not count:
+            return Load(0.0, 0.0, 0.0), Observed()
+        load = Load(
+            count / snapshot.window_s,
+            snapshot.input_tokens / count,
+            snapshot.output_tokens / count,
+        )
+        latency = Observed(
+            ttft_s=None if snapshot.ttft is None else snapshot.ttft.mean,
+            itl_s=None if snapshot.itl is None else snapshot.itl.mean,
+        )
+        return load, latency
