@@ -102,10 +102,11 @@ class Stack:
             policy = with_version_names(raw, names, where)
             try:
                 parsed = policy_from_dict(alias, policy)
+                declared = {name for name in names.values() if name.startswith(f"{alias}@")}
                 check_versions(
                     parsed,
-                    exists=lambda name: name in names.values(),
-                    has_workers=lambda name: name in names.values(),
+                    exists=declared.__contains__,  # a version of another alias is not one
+                    has_workers=declared.__contains__,
                 )
             except PolicyError as exc:
                 raise ConfigFileError(f"{where}.{exc.param}: {exc}") from exc

@@ -99,8 +99,11 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         yield Harness(store, clock)
     else:
         url = request.getfixturevalue("redis_url")
-        # A prefix of its own per test: no flush, no leftovers from another test.
-        store = RedisQuotaStore(url, key_prefix=f"test:{uuid4().hex}:")
+        # A prefix of its own per test: no flush, no leftovers from another test. The timeout is
+        # the tests' on outages (below) to bound; here a burst of 200 first calls opens 200
+        # connections at once, which the default 1 s deadline did not always cover on a busy
+        # 2-core machine.
+        store = RedisQuotaStore(url, key_prefix=f"test:{uuid4().hex}:", timeout_s=5.0)
         yield Harness(store, None)
     await store.aclose()
 

@@ -2,9 +2,10 @@
 against one decode worker capped at 8 in flight, while a light interactive tenant sends one short
 chat request a second (``bench.noisy_neighbours``, shorter phases).
 
-Asserted: the weight-3 tenant is served 3 times the weight-1 tenant's tokens (within 10%) over
-a steady-state window, no request of anyone ends in a 5xx or any error, and the ledger holds
-exactly one row per request a heavy client saw, with the tokens it saw. The light tenant's TTFT,
+Asserted: the weight-3 tenant is served 3 times the weight-1 tenant's tokens (within 10%, plus
+the one request's gap VTC allows in any window) over a steady-state window, no request of anyone
+ends in a 5xx or any error, and the ledger holds exactly one row per request a heavy client saw,
+with the tokens it saw. The light tenant's TTFT,
 unloaded and flooded, is printed with the profile (speed is the bench's to report, not a test's
 to assert: docs/ARCHITECTURE.md says what bounds it on this machine).
 """
@@ -40,7 +41,16 @@ def test_weighted_share_and_isolation_under_a_flood(
         print("\nissue 19 flood on the real stack (e2e settings: eager workers):")
         print_result(result, "interactive")
 
-    assert 2.7 <= result.ratio <= 3.3, f"weight-3 : weight-1 served tokens {result.ratio:.2f}"
+    # VTC keeps two backlogged tenants' weighted service apart by at most a constant, about one
+    # request's charge, whatever the window: a 40 s window holds only ~40 of w1's requests, so
+    # where the window's edges fall moves the ratio by up to ~10 % on its own (3.30 seen once,
+    # 2.91-3.04 otherwise). Asserted: within 10 % of the weights, plus that one-request gap.
+    w1, w3 = result.served["w1"], result.served["w3"]
+    one_request = max(s.served_in(float("-inf"), float("inf")) for s in result.heavy["w1"].streams)
+    assert abs(w3 / 3 - w1) <= 0.1 * w1 + one_request, (
+        f"weight-3 : weight-1 served tokens {result.ratio:.2f} ({w3:.0f} : {w1:.0f}; "
+        f"one request is {one_request:.0f})"
+    )
     for name, load in result.heavy.items():
         assert not load.errors, f"heavy {name} saw errors: {load.errors}"
     assert not result.unloaded.errors and not result.flooded.errors

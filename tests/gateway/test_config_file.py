@@ -144,3 +144,13 @@ def test_a_bad_policy_is_refused_before_any_worker_boots(
     with pytest.raises(ConfigFileError, match=says) as caught:
         Stack.from_file(TandemSettings(), stack_file, _versions(tmp_path), path)
     assert "traffic.smol" in str(caught.value)
+
+
+def test_a_policy_naming_another_aliases_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "stack.toml"
+    other = '[traffic.other]\nsplit = [{ version = "baseline", weight = 100 }]\n'
+    path.write_text(TOML.split("[traffic.smol]")[0] + other)
+    stack_file = load_stack_file(path)
+    with pytest.raises(ConfigFileError, match="does not exist") as caught:
+        Stack.from_file(TandemSettings(), stack_file, _versions(tmp_path), path)
+    assert "traffic.other.split[0].version" in str(caught.value)

@@ -403,6 +403,13 @@ async def test_shadow_copies_are_compared_but_never_answered_billed_or_charged()
         first = await stack.client.chat.completions.with_raw_response.create(
             model=ALIAS, messages=QUESTION, max_tokens=16, extra_headers=headers
         )
+        # Its copy ends before the retry: had the copy written under the key, the retry would
+        # replay the shadow's answer.
+        deadline = time.monotonic() + 10
+        while (await compared())["num_compared"] < num_shadowed + 1:
+            assert time.monotonic() < deadline, "the idempotent request's shadow copy did not end"
+            await asyncio.sleep(0.05)
+        assert shadow.decode.stats.num_requests == num_shadowed + 1
         replay = await stack.client.chat.completions.with_raw_response.create(
             model=ALIAS, messages=QUESTION, max_tokens=16, extra_headers=headers
         )

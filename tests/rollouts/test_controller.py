@@ -1,4 +1,4 @@
-"""The rollout controller end to end on simulated traffic (``tests/rollouts/sim.py``): the real
+"""The rollout controller end to end on simulated traffic (``bench/rollouts/sim.py``): the real
 controller, SQLite store and lease, windows, cost meter and gates, on a fake clock.
 
 What issue 21 asks of the fast tier: each gate alone rolls a bad candidate back; a healthy one
