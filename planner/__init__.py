@@ -13,9 +13,10 @@ Pure decisions first, I/O at the edges:
   the simulator (``bench/planner/sim.py``) and the controller run.
 - ``actuate``: the ``Actuator`` interface and the dry run; ``controller``: one version's
   planner at work (read the load, step, carry out, keep the history); ``windows_source``: the
-  load from the gateway's per-version windows.
+  load from the gateway's per-version windows. ``tandem profile`` (``bench/profile.py``)
+  measures a worker into a ``profile.Profile`` file.
 
 Not built yet (the issue says what): running the controller in the gateway (lease, settings),
-a Prometheus load source and the prefill backlog, the local actuator and draining,
-``tandem profile`` and ``tandem planner``.
+a Prometheus load source and the prefill backlog, the local actuator and draining, and
+``tandem planner``.
 """
