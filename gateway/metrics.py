@@ -17,6 +17,7 @@ OpenMetrics, whose document must name counters and end (``# EOF``) its own way.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
@@ -194,6 +195,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._init_genai()
+        self._init_planner()
         self.registry.register(_WorkerCollector(pools))
 
     def _init_genai(self) -> None:
@@ -238,6 +240,55 @@ class GatewayMetrics:
             buckets=TOKEN_BUCKETS,
             registry=self.registry,
         )
+
+    def _init_planner(self) -> None:
+        """The autoscaling planner's view of each version's pools (``gateway/planning.py``)."""
+        self._planner_desired = Gauge(
+            "tandem_planner_desired_replicas",
+            "Workers the planner's latest step wants in the pool (asked for, or only reported "
+            "in a dry run), by version and pool (prefill, decode).",
+            ("version", "pool"),
+            registry=self.registry,
+        )
+        self._planner_current = Gauge(
+            "tandem_planner_current_replicas",
+            "Workers the pool had at the planner's latest step, serving and starting, by "
+            "version and pool.",
+            ("version", "pool"),
+            registry=self.registry,
+        )
+        self._planner_decisions = Counter(
+            "tandem_planner_decisions",
+            "Changes of a pool's size the planner decided (each counted once until the pool "
+            "reaches it), by version, pool and direction (up, down).",
+            ("version", "pool", "direction"),
+            registry=self.registry,
+        )
+        self._planner_step_errors = Counter(
+            "tandem_planner_step_errors",
+            "Planner steps of a version that failed: load or pools unreadable, the actuator "
+            "refusing, or a bug (the step is skipped; the next one tries again).",
+            ("version",),
+            registry=self.registry,
+        )
+
+    def observe_planner_pool(self, version: str, pool: str, current: int, desired: int) -> None:
+        """A pool's size and the planner's wish for it at its latest step."""
+        self._planner_current.labels(version, pool).set(current)
+        self._planner_desired.labels(version, pool).set(desired)
+
+    def observe_planner_decision(self, version: str, pool: str, direction: str) -> None:
+        self._planner_decisions.labels(version, pool, direction).inc()
+
+    def observe_planner_step_error(self, version: str) -> None:
+        self._planner_step_errors.labels(version).inc()
+
+    def forget_planner_version(self, version: str) -> None:
+        """Drop an undeployed version's pool gauges (its counters stay: they only grow)."""
+        for gauge in (self._planner_current, self._planner_desired):
+            for pool in ("prefill", "decode"):
+                with contextlib.suppress(KeyError):  # never stepped: no series
+                    gauge.remove(version, pool)
 
     def watch_admission(self, admitter: Admitter) -> None:
         """Export the admission queue's live length and in-flight count."""

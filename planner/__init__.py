@@ -1,4 +1,4 @@
-"""Autoscaling the prefill and decode pools apart (issue 23; in progress).
+"""Autoscaling the prefill and decode pools apart (issue 23).
 
 Pure decisions first, I/O at the edges:
 
@@ -16,7 +16,9 @@ Pure decisions first, I/O at the edges:
   load from the gateway's per-version windows. ``tandem profile`` (``bench/profile.py``)
   measures a worker into a ``profile.Profile`` file.
 
-Not built yet (the issue says what): running the controller in the gateway (lease, settings),
-a Prometheus load source and the prefill backlog, the local actuator and draining, and
-``tandem planner``.
+The gateway runs a controller per deployed version (``gateway/planning.py``: settings, the
+``planner`` lease on Kubernetes, status, metrics, audit; ``tandem planner status``).
+
+Not built yet (the issue says what): a Prometheus load source over every gateway replica, the
+prefill backlog, and the local actuator with draining (``tandem up``'s own workers).
 """

@@ -3,8 +3,9 @@
 - local (to come): starts and drains vLLM worker processes through the gateway's supervisor;
 - ``kubernetes``: patches the ``scale`` subresource of a version's prefill and decode
   Deployments (``planner/kubernetes.py``);
-- ``DryRunActuator``: carries nothing out; it keeps the decisions, for the logs, ``/metrics``
-  and trying the planner on live traffic first.
+- ``DryRunActuator``: carries nothing out; it keeps the latest decisions, for the logs and
+  trying the planner on live traffic first (the gateway's dry run reads the pools' real workers
+  through ``observe``).
 
 An actuator is told the size a pool should have, never how to get there; it reports the
 pool's size (serving and starting) back to the planner on the next step.
@@ -13,6 +14,8 @@ pool's size (serving and starting) back to the planner on the next step.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -46,15 +49,25 @@ class Requested:
     reason: str
 
 
+MAX_REQUESTED = 1000
+"""Requests a dry run keeps (the newest): it runs for as long as the gateway does."""
+
+
 @dataclass
 class DryRunActuator:
     """Pools stay as they are; every request is logged and kept (``requested``)."""
 
     sizes: dict[tuple[str, PoolName], int] = field(default_factory=dict)
     """The pools' real sizes, as the caller knows them (a missing pool reads as 0)."""
-    requested: list[Requested] = field(default_factory=list)
+    requested: deque[Requested] = field(default_factory=lambda: deque(maxlen=MAX_REQUESTED))
+    """The newest ``MAX_REQUESTED`` requests, oldest first."""
+    observe: Callable[[str, PoolName], PoolState] | None = None
+    """Reads a pool's workers as they are (the gateway's deployments: healthy ones serving,
+    the others starting); None: ``sizes``. It may raise ``ActuatorError``."""
 
     async def state(self, version: str, pool: PoolName) -> PoolState:
+        if self.observe is not None:
+            return self.observe(version, pool)
         return PoolState(self.sizes.get((version, pool), 0))
 
     async def scale(self, version: str, pool: PoolName, replicas: int, reason: str) -> None:

@@ -1,10 +1,12 @@
 """The planner of one version at work: every interval, read the load, take a step, carry out
-what changed. One owner per version's pools (the gateway holding the planner's lease, once it
-runs in the gateway; the simulator drives ``loop.Planner`` directly).
+what changed. One owner per version's pools (in the gateway, ``gateway/planning.py``: each
+gateway for the pools it runs in a dry run, the holder of the planner's lease on Kubernetes; the
+simulator drives ``loop.Planner`` directly).
 
-A failure to read the load skips the step (no decision on no evidence); an actuator that
-refuses leaves the pool as it is and the next step asks again. Every decision is kept
-(``history``) with its reason, for ``tandem planner status``, ``/metrics`` and the audit log.
+A failure to read the load or the pools skips the step (no decision on no evidence;
+``last_error`` says why until a step succeeds); an actuator that refuses leaves the pool as it
+is and the next step asks again. Every decision is kept (``history``) with its reason, for
+``tandem planner status``, ``/metrics`` and the audit log.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class PlannerController:
         self._actuator = actuator
         self._clock = clock
         self.history: deque[Applied] = deque(maxlen=history)
+        self.last_error: str | None = None
+        """Why the latest step was skipped (the load or the pools unreadable); None after a
+        step that was taken."""
 
     async def run_once(self) -> list[Applied]:
         """One step; the decisions taken (none when the load could not be read)."""
@@ -68,7 +73,9 @@ class PlannerController:
             decode = await self._actuator.state(self.version, "decode")
         except (LoadUnavailable, ActuatorError) as exc:
             log.warning("planner %s: no step this interval: %s", self.version, exc)
+            self.last_error = str(exc)
             return []
+        self.last_error = None
         now = self._clock()
         step = self._planner.step(now, Observation(load, latency, prefill, decode))
         applied = [

@@ -1,9 +1,9 @@
 """One planning step for one version: observe -> predict -> size each pool -> decide.
 
-The same code runs in the simulator (a fake clock, ``bench/planner/sim.py``) and, once the
-controller exists, in the gateway. Per pool it counts workers still starting as present (a
-booting worker is capacity on its way: counting it again would add a second one), and while a
-pool has workers starting its latency correction is left out: figures from a pool short of
+The same code runs in the simulator (a fake clock, ``bench/planner/sim.py``) and, through the
+controller (``controller.py``), in the gateway. Per pool it counts workers still starting as
+present (a booting worker is capacity on its way: counting it again would add a second one), and
+while a pool has workers starting its latency correction is left out: figures from a pool short of
 capacity that is already coming say nothing new (Dynamo's planner over-scales decode on such
 cold-start samples).
 """

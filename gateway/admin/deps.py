@@ -22,6 +22,7 @@ from billing.service import Billing
 from core.errors import ConflictError, NotFoundError, StoreUnavailableError
 from gateway.auth import AdminAuth, Caller
 from gateway.catalog import Catalog, Deployer, VersionBuilder
+from gateway.planning import GatewayPlanner
 from moderation.moderator import Moderator
 from rollouts.store import RolloutStore
 from traffic.shadow import ShadowLimiter
@@ -61,6 +62,8 @@ class AdminServices:
     """Rollouts and their operator commands (None: no rollouts on this gateway)."""
     rollout_reports: Path | None = None
     """Where this gateway writes finished rollouts' reports."""
+    planner: GatewayPlanner | None = None
+    """The autoscaling planner (None: it is off)."""
 
 
 async def get_admin(http_request: HttpRequest) -> AdminServices:

@@ -31,15 +31,17 @@ from gateway.admin.billing import admin_router as billing_admin_router
 from gateway.admin.billing import tenant_router as usage_router
 from gateway.admin.deps import ADMIN_STATE, AdminServices
 from gateway.admin.models import router as models_router
+from gateway.admin.planner import router as planner_router
 from gateway.admin.rollouts import router as rollouts_router
 from gateway.admin.tenants import router as admin_router
-from gateway.assembly.stores import StoreConfig, open_stores
+from gateway.assembly.stores import StoreConfig, open_lease, open_stores
 from gateway.audited import CONFIG_ACTOR, register_version, set_policy
 from gateway.auth import AdminAuth, Authenticator
 from gateway.catalog import Catalog, Deployer, VersionBuilder
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.operations import GatewayTraffic
+from gateway.planning import LEASE_NAME, GatewayPlanner, PlannerConfig, dry_run_actuator
 from gateway.serving.content_policy import ContentPolicy, ModerationSetup, build_moderator
 from gateway.serving.deadlines import DeadlineConfig
 from gateway.serving.flow import ServingServices
@@ -53,7 +55,10 @@ from gateway.serving.shadow import ShadowRunner
 from gateway.serving.upstream import EngineClient, UpstreamConfig
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
+from planner.actuate import Actuator
+from planner.windows_source import WindowsLoadSource
 from rollouts.controller import RolloutController
+from rollouts.lease import Lease
 from rollouts.provider import AgreementSource, CostSource, MetricsProvider, WindowsProvider
 from rollouts.provider_prometheus import PrometheusProvider
 from rollouts.quality import QualityCheck, compare
@@ -171,6 +176,8 @@ class GatewayConfig:
     versions: VersionsConfig = field(default_factory=VersionsConfig)
     """The versions and traffic policies to record at start."""
     rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """The autoscaling planner (off by default)."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     """Where request traces are exported (``OTEL_*``); off by default."""
     otlp_metrics: OtlpMetricsConfig = field(default_factory=OtlpMetricsConfig)
@@ -215,6 +222,7 @@ def create_app(
     app.include_router(billing_admin_router)
     app.include_router(models_router)
     app.include_router(rollouts_router)
+    app.include_router(planner_router)
     app.include_router(usage_router)
 
     @app.get("/health")
@@ -338,6 +346,9 @@ async def assemble(
         await rollout_controller.start()
         # Stopped before the shadows, catalog and stores it uses (pushed earlier).
         resources.push_async_callback(rollout_controller.aclose)
+    planner = await _planner(
+        config.planner, deployments, windows, metrics, stores.versions, access.stores, resources
+    )
     serving = ServingServices(
         catalog=catalog,
         router=Router(engine, deployments, config.decider, config.connector.kv_lease_s),
@@ -367,6 +378,7 @@ async def assemble(
         billing=billing,
         rollouts=stores.rollouts,
         rollout_reports=config.rollouts.reports_dir,
+        planner=planner,
     )
     return Services(serving=serving, admin=admin, engine=engine)
 
@@ -421,6 +433,49 @@ def _agreement_source(shadows: ShadowRunner) -> AgreementSource:
         return compared, agreed
 
     return agreement
+
+
+async def _planner(
+    config: PlannerConfig,
+    deployments: Deployments,
+    windows: VersionWindows,
+    metrics: GatewayMetrics,
+    audit_store: VersionStore,
+    stores: StoreConfig,
+    resources: contextlib.AsyncExitStack,
+) -> GatewayPlanner | None:
+    """The autoscaling planner the configuration asks for, started; None when it is off."""
+    if config.mode == "off":
+        return None
+    lease: Lease | None = None
+    actuator: Actuator
+    if config.mode == "kubernetes":
+        # Imported here: the Kubernetes client takes a noticeable while to import, and every
+        # `tandem` command imports this module.
+        from planner.kubernetes import KubernetesActuator, KubernetesConfig
+
+        # No credentials: ActuatorError, saying where they were looked for (startup fails).
+        kubernetes = KubernetesActuator.from_environment(KubernetesConfig(config.namespace))
+        resources.push_async_callback(kubernetes.aclose)
+        actuator = kubernetes
+        lease = await open_lease(stores, LEASE_NAME)
+        resources.push_async_callback(lease.aclose)
+    else:
+        actuator = dry_run_actuator(deployments)
+    planner = GatewayPlanner(
+        config,
+        deployments,
+        WindowsLoadSource(windows),
+        actuator,
+        metrics,
+        audit_store=audit_store,
+        lease=lease,
+    )
+    await planner.start()
+    # Stopped before its actuator, its lease and the version store it audits to (pushed
+    # earlier), and before the stores close.
+    resources.push_async_callback(planner.aclose)
+    return planner
 
 
 async def _webhooks(resources: contextlib.AsyncExitStack) -> WebhookSender:

@@ -6,7 +6,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kv_transfer.connector import DEFAULT_KV_LEASE_S
@@ -131,7 +131,8 @@ class TandemSettings(BaseSettings):
     state_dir: Path = Path(".tandem")
     """Local durable state: the tenant store of the embedded default (``tandem.db``), the
     generated admin key (``admin.key``), the SQLite ledger (``ledger.db``) and the ledger's
-    spool (``ledger-spool/``, records not yet in the database)."""
+    spool (``ledger-spool/``, records not yet in the database); the planner's worker profile
+    (``profile.json``) by default."""
     redis_url: str | None = None
     """Redis for tenants, keys, quota counters and usage, shared by gateway replicas; unset =
     the embedded default (SQLite file + in-memory counters, one gateway)."""
@@ -190,6 +191,44 @@ class TandemSettings(BaseSettings):
     replicas' traffic by PromQL; unset = the embedded default, the lease holder's own windows
     (its replica's share of the traffic)."""
 
+    planner: Literal["off", "dry-run", "kubernetes"] = "off"
+    """The autoscaling planner (``gateway/planning.py``): ``dry-run`` plans this gateway's pools
+    every ``planner_interval_s`` and only reports (status, metrics, audit); ``kubernetes``
+    scales each version's prefill and decode Deployments, from the gateway holding the
+    planner's lease. On, it needs a worker profile (``planner_profile``, made by
+    ``tandem profile``): without one the gateway refuses to start."""
+    planner_profile: Path | None = None
+    """The worker profile the planner sizes pools by (``tandem profile --out FILE``); unset =
+    ``state_dir/profile.json``. One profile serves every version."""
+    planner_interval_s: float = Field(30.0, gt=0)
+    """How often the planner steps: the load it reads is the last interval's."""
+    planner_ttft_target_s: float = Field(1.0, gt=0)
+    """Mean time to first token the prefill pool is sized for (the SLO in
+    ``deploy/prometheus``: the first token within 1 s)."""
+    planner_itl_target_s: float = Field(0.1, gt=0)
+    """Mean inter-token latency the decode pool is sized for (the SLO: 0.1 s a token)."""
+    planner_headroom: float = Field(0.8, gt=0, le=1)
+    """The share of a worker's profiled capacity the planner plans to use."""
+    planner_prefill_min_replicas: int = Field(0, ge=0)
+    """Fewest prefill workers per version (0: prompts then run colocated on decode workers)."""
+    planner_prefill_max_replicas: int = Field(8, ge=0)
+    """Most prefill workers per version."""
+    planner_decode_min_replicas: int = Field(1, ge=0)
+    """Fewest decode workers per version (at least 1 keeps the version serving)."""
+    planner_decode_max_replicas: int = Field(8, ge=0)
+    """Most decode workers per version."""
+    planner_up_window_s: float = Field(0.0, ge=0)
+    """A pool grows to the highest recommendation of this window (0: the latest one)."""
+    planner_down_window_s: float = Field(300.0, ge=0)
+    """A pool shrinks only to the highest recommendation of this window: a dip must last it."""
+    planner_cooldown_s: float = Field(60.0, ge=0)
+    """No shrinking within this of a pool's last change."""
+    planner_tolerance: float = Field(0.1, ge=0)
+    """A recommendation within this share of the current size is no change (hysteresis)."""
+    planner_namespace: str = Field("default", min_length=1)
+    """Kubernetes namespace of the versions' Deployments (``planner=kubernetes``;
+    ``deploy/kubernetes`` uses ``tandem``)."""
+
     billing: bool = True
     """Keep the usage ledger (records, budgets, exports); ``false`` switches billing off."""
     billing_database_url: SecretStr | None = None
@@ -237,3 +276,16 @@ class TandemSettings(BaseSettings):
         if isinstance(items, list):
             return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
         return value
+
+    @model_validator(mode="after")
+    def _planner_limits(self) -> TandemSettings:
+        for pool in ("prefill", "decode"):
+            low = getattr(self, f"planner_{pool}_min_replicas")
+            high = getattr(self, f"planner_{pool}_max_replicas")
+            if low > high:
+                name = f"TANDEM_PLANNER_{pool.upper()}"
+                raise ValueError(
+                    f"{name}_MIN_REPLICAS ({low}) is above {name}_MAX_REPLICAS ({high}): "
+                    "lower the minimum or raise the maximum"
+                )
+        return self

@@ -33,6 +33,7 @@ from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stores import StoreConfig
 from gateway.assembly.supervisor import LocalVersionBuilder, Supervisor, connector_config
 from gateway.catalog import DeploymentSpec
+from gateway.planning import PlannerConfig
 from gateway.serving.content_policy import ModerationSetup
 from gateway.serving.deadlines import DeadlineConfig
 from gateway.serving.gate import GateConfig
@@ -41,6 +42,9 @@ from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from moderation.remote import RemoteProviderConfig
 from moderation.stream import StreamConfig
+from planner.profile import Profile
+from planner.replicas import Targets
+from planner.scaling import ScalingPolicy
 from telemetry.otlp_metrics import OtlpMetricsConfig
 from telemetry.tracing import TracingConfig
 from traffic.policy import PolicyError, check_versions, policy_from_dict, policy_to_dict
@@ -66,11 +70,19 @@ class Stack:
     external-only."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     """Where the gateway and its workers export traces (the ``OTEL_*`` environment)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """The autoscaling planner, its worker profile loaded."""
 
     @classmethod
-    def from_settings(cls, settings: TandemSettings, version: ModelVersion | None) -> Stack:
+    def from_settings(
+        cls,
+        settings: TandemSettings,
+        version: ModelVersion | None,
+        planner: PlannerConfig | None = None,
+    ) -> Stack:
         """One version on the settings' workers (the one-version default); ``version`` is
-        required when any worker is managed (``fingerprint`` makes it)."""
+        required when any worker is managed (``fingerprint`` makes it). ``planner``: loaded
+        already (``planner_config``), else loaded here."""
         num_managed = settings.num_prefill_workers + settings.num_decode_workers
         if version is None and num_managed:
             raise ValueError("managed workers need a prepared, fingerprinted model")
@@ -81,7 +93,7 @@ class Stack:
             decode_urls=tuple(settings.decode_urls),
             served_as=settings.served_model_name if version is None else None,
         )
-        return cls.of_versions(settings, [(version, spec)], {})
+        return cls.of_versions(settings, [(version, spec)], {}, planner)
 
     @classmethod
     def from_file(
@@ -90,6 +102,7 @@ class Stack:
         stack_file: StackFile,
         versions: Sequence[ModelVersion],
         path: Path,
+        planner: PlannerConfig | None = None,
     ) -> Stack:
         """The versions a configuration file declares (``versions[i]`` fingerprints its
         ``i``-th entry), with its traffic policies checked now, before any worker boots."""
@@ -115,7 +128,7 @@ class Stack:
             (version, entry.spec)
             for entry, version in zip(stack_file.versions, versions, strict=True)
         ]
-        return cls.of_versions(settings, planned, policies)
+        return cls.of_versions(settings, planned, policies, planner)
 
     @classmethod
     def of_versions(
@@ -123,7 +136,10 @@ class Stack:
         settings: TandemSettings,
         planned: Sequence[tuple[ModelVersion | None, DeploymentSpec]],
         policies: dict[str, dict[str, Any]],
+        planner: PlannerConfig | None = None,
     ) -> Stack:
+        """``ProfileError`` when the planner is on and its profile is missing or unusable."""
+        planner = planner if planner is not None else planner_config(settings)
         tracing = TracingConfig.from_env()
         supervisor = Supervisor(settings, tracing)
         deployments = Deployments([supervisor.plan(version, spec) for version, spec in planned])
@@ -136,6 +152,7 @@ class Stack:
             VersionsConfig(register=registered, policies=tuple(policies.items())),
             Path(first.model_dir) if first is not None else None,
             tracing,
+            planner,
         )
 
     @property
@@ -202,10 +219,46 @@ class Stack:
                 window_bucket_s=settings.rollout_window_bucket_s,
                 prometheus_url=settings.rollout_prometheus_url,
             ),
+            planner=self.planner,
             tracing=self.tracing,
             otlp_metrics=OtlpMetricsConfig.from_env(),
         )
         return create_app(config, self.deployments, LocalVersionBuilder(settings), self.supervisor)
+
+
+def planner_config(settings: TandemSettings) -> PlannerConfig:
+    """The planner as the settings ask, its worker profile read from its file: ``ProfileError``
+    (naming ``tandem profile``) when the planner is on and the file is missing or unusable."""
+    if settings.planner == "off":
+        return PlannerConfig()
+    path = settings.planner_profile or settings.state_dir / "profile.json"
+    windows = {
+        "up_window_s": settings.planner_up_window_s,
+        "down_window_s": settings.planner_down_window_s,
+        "cooldown_s": settings.planner_cooldown_s,
+        "tolerance": settings.planner_tolerance,
+    }
+    return PlannerConfig(
+        mode=settings.planner,
+        profile=Profile.load(path),
+        interval_s=settings.planner_interval_s,
+        targets=Targets(
+            ttft_s=settings.planner_ttft_target_s,
+            itl_s=settings.planner_itl_target_s,
+            headroom=settings.planner_headroom,
+        ),
+        prefill=ScalingPolicy(
+            min_replicas=settings.planner_prefill_min_replicas,
+            max_replicas=settings.planner_prefill_max_replicas,
+            **windows,
+        ),
+        decode=ScalingPolicy(
+            min_replicas=settings.planner_decode_min_replicas,
+            max_replicas=settings.planner_decode_max_replicas,
+            **windows,
+        ),
+        namespace=settings.planner_namespace,
+    )
 
 
 def moderation_setup(settings: TandemSettings) -> ModerationSetup:

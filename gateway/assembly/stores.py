@@ -32,7 +32,7 @@ class StoreConfig:
     sqlite_path: Path = Path(".tandem/tandem.db")
     """The embedded default's durable tenant store; model versions, traffic policies and the
     audit log go to ``versions.db`` beside it, rollouts to ``rollouts.db`` and their lease to
-    ``lease.db``."""
+    ``lease.db`` (the planner's lease too)."""
     timeout_s: float = 2.0
     """Longest wait for a Redis operation before it counts as failed (see
     ``TandemSettings.store_timeout_s``)."""
@@ -66,7 +66,7 @@ async def open_stores(config: StoreConfig) -> Stores:
             RedisIdempotencyStore(config.redis_url, timeout_s=config.timeout_s),
             RedisVersionStore(config.redis_url, timeout_s=config.timeout_s),
             RedisRolloutStore(config.redis_url, timeout_s=config.timeout_s),
-            RedisLease(config.redis_url, timeout_s=config.timeout_s),
+            await open_lease(config, "rollouts"),
         )
     registry = SqliteTenantRegistry(config.sqlite_path)
     await registry.start()
@@ -74,6 +74,15 @@ async def open_stores(config: StoreConfig) -> Stores:
     await versions.start()
     rollouts = SqliteRolloutStore(config.sqlite_path.with_name("rollouts.db"))
     await rollouts.start()
-    lease = SqliteLease(config.sqlite_path.with_name("lease.db"))
-    await lease.start()
+    lease = await open_lease(config, "rollouts")
     return Stores(registry, MemoryQuotaStore(), MemoryIdempotencyStore(), versions, rollouts, lease)
+
+
+async def open_lease(config: StoreConfig, name: str) -> Lease:
+    """The lease called ``name`` (``rollouts``, ``planner``), where the stores live: Redis, or
+    ``lease.db`` beside the tenant store (one row per name). The caller closes it."""
+    if config.redis_url:
+        return RedisLease(config.redis_url, name=name, timeout_s=config.timeout_s)
+    lease = SqliteLease(config.sqlite_path.with_name("lease.db"), name=name)
+    await lease.start()
+    return lease

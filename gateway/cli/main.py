@@ -6,6 +6,7 @@ tandem model register ... versions: register, list, show, delete, deploy, undepl
 tandem traffic ...        traffic policies per alias (split, sticky, pins, shadow)
 tandem audit              who changed versions, deployments and policies, and why
 tandem rollout ...        canary a version behind gates: start, status, pause, promote, report
+tandem planner status     the autoscaling planner: each version's pools, what it wants and why
 tandem admin ...          tenants, keys, quotas and usage over the admin API
 tandem version
 
@@ -33,7 +34,7 @@ from rich.status import Status
 
 from gateway.assembly.config_file import ConfigFileError, load_stack_file
 from gateway.assembly.settings import TandemSettings
-from gateway.assembly.stack import Stack
+from gateway.assembly.stack import Stack, planner_config
 from gateway.assembly.supervisor import fingerprint, port_is_free
 from gateway.cli.admin import (
     add_admin_parser,
@@ -49,7 +50,9 @@ from gateway.cli.models import (
     run_model,
     run_traffic,
 )
+from gateway.cli.planner import add_planner_parser, run_planner
 from gateway.cli.rollouts import add_rollout_parser, run_rollout
+from planner.profile import ProfileError
 from telemetry.otlp_env import TelemetryConfigError
 from versions.records import VersionSourceError
 from workers.model import ModelPreparationError, RichProgress, prepare_model
@@ -95,6 +98,8 @@ def run_command(args: argparse.Namespace) -> int | None:
             return run_audit(args)
         if args.command == "rollout":
             return run_rollout(args)
+        if args.command == "planner":
+            return run_planner(args)
         if args.command == "admin":
             return run_admin(args)
         if args.command == "billing":
@@ -115,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def add_commands(commands: Any) -> None:
-    """Add ``up``, ``model``, ``admin``, ``billing`` and ``version`` to ``tandem``'s subparsers."""
+    """Add the gateway's commands (``up``, ``model``, ``traffic``, ``audit``, ``rollout``,
+    ``planner``, ``admin``, ``billing``, ``version``) to ``tandem``'s subparsers."""
     up = commands.add_parser("up", help="run the whole stack: workers and gateway")
     up.add_argument("--model", type=Path, help="GGUF file or HF folder (default: bundled SmolLM2)")
     up.add_argument("--served-model-name", help="model name clients send")
@@ -162,6 +168,7 @@ def add_commands(commands: Any) -> None:
     add_model_commands(model_commands)
     add_traffic_parsers(commands)
     add_rollout_parser(commands)
+    add_planner_parser(commands)
 
     add_admin_parser(commands)
     add_billing_parser(commands)
@@ -251,6 +258,14 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
     except (ConfigFileError, VersionSourceError, TelemetryConfigError) as exc:
         console.print(f"[red]cannot start:[/] {exc}")
         return 1
+    except ProfileError as exc:
+        console.print(
+            f"[red]cannot start the planner (TANDEM_PLANNER={settings.planner}):[/] {exc}; "
+            "or point TANDEM_PLANNER_PROFILE at a profile, or set TANDEM_PLANNER=off",
+            markup=True,
+            highlight=False,
+        )
+        return 1
     except asyncio.CancelledError:
         console.print("stopping before the stack was up")
         return 130
@@ -263,7 +278,9 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
 
 async def _plan_stack(settings: TandemSettings) -> Stack:
     """The stack's versions, prepared and fingerprinted (in threads: conversion runs in a
-    child process), from the configuration file or the one-version settings."""
+    child process), from the configuration file or the one-version settings. The planner's
+    profile is read first: a missing one stops ``tandem up`` before any model is prepared."""
+    planner = planner_config(settings)
     if settings.config is not None:
         stack_file = load_stack_file(settings.config)
         versions = []
@@ -280,14 +297,14 @@ async def _plan_stack(settings: TandemSettings) -> Stack:
                     note=entry.note,
                 )
             )
-        return Stack.from_file(settings, stack_file, versions, settings.config)
+        return Stack.from_file(settings, stack_file, versions, settings.config, planner)
     needs_model = settings.num_prefill_workers + settings.num_decode_workers > 0
     version = (
         await asyncio.to_thread(fingerprint, settings, settings.model, None)
         if needs_model
         else None
     )
-    return Stack.from_settings(settings, version)
+    return Stack.from_settings(settings, version, planner)
 
 
 def _tune_garbage_collector() -> None:
