@@ -202,13 +202,13 @@ async def stop_server(
     if done:
         serving.result()
         return
-    stuck = _task_stacks()
+    stuck = task_stacks()
     server.force_exit = True  # uvicorn stops waiting for connections and tasks
     await asyncio.wait({serving}, timeout=timeout_s)
     pytest.fail(f"the gateway did not stop within {timeout_s:.0f} s; still running:\n{stuck}")
 
 
-def _task_stacks() -> str:
+def task_stacks() -> str:
     """Each pending task and the chain of coroutines it is suspended in, innermost last."""
     lines: list[str] = []
     for task in asyncio.all_tasks():

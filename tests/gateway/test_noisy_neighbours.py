@@ -29,7 +29,14 @@ from openai.types import CompletionUsage
 from gateway.assembly.app import AccessConfig
 from gateway.assembly.stores import StoreConfig
 from gateway.serving.gate import GateConfig
-from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
+from tests.gateway.conftest import (
+    ADMIN_KEY,
+    MODEL,
+    FakeStack,
+    make_fake_stack,
+    task_stacks,
+    wait_until,
+)
 
 CAP = 4
 """The gateway's in-flight cap (one decode worker)."""
@@ -160,6 +167,7 @@ async def _within(awaitable: Awaitable[T], what: str, stack: FakeStack | None = 
             }
             where = f"; engines (running, waiting): {engines}; gateway: {gauges}"
             where += _threads_report()
+        where += "\ntasks:\n" + task_stacks()
         raise AssertionError(f"{what} did not finish within {SCENARIO_LIMIT_S} s{where}") from None
 
 
