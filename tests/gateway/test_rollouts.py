@@ -146,7 +146,9 @@ async def test_a_healthy_candidate_is_promoted_under_load_without_a_failed_reque
         assert load.failures == []
         assert load.served.get(candidate.name, 0) > 0
         events = [d["event"] for d in done["decisions"]]
-        assert events == [
+        # A bake that ends with too few samples is extended (Inconclusive), never passed on
+        # them: on a busy machine a 1.5 s bake at 20 % may be (seen once in a full CI run).
+        assert [e for e in events if e != "step_extended"] == [
             "started", "quality_passed", "step_passed", "step_passed", "promoted", "succeeded"
         ]  # fmt: skip
         assert (await policy(stack))["split"] == [{"version": candidate.name, "weight": 100.0}]
