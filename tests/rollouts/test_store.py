@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -24,6 +23,7 @@ from rollouts.store import (
 )
 from rollouts.store_redis import RedisRolloutStore
 from rollouts.store_sqlite import SCHEMA_VERSION, SqliteRolloutStore
+from tests.store_backends import Backend, sqlite_or_redis
 
 # More significant digits than Lua's cjson keeps (14): a store that rounds times fails here.
 PRECISE_TIME = 1732281234.1234567
@@ -49,45 +49,20 @@ def rollout(
     }
 
 
-@dataclass
-class Backend:
-    """One store and how to open more instances over it (two act like two replicas)."""
-
-    name: str
-    open_store: Callable[[], RolloutStore]
-    opened: list[RolloutStore] = field(default_factory=list)
-
-    def make(self) -> RolloutStore:
-        store = self.open_store()
-        self.opened.append(store)
-        return store
-
-
 @pytest.fixture(params=["sqlite", "redis"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    if request.param == "sqlite":
-        path = tmp_path / "state" / "rollouts.db"
-        backend = Backend("sqlite", lambda: SqliteRolloutStore(path))
+async def backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Backend[RolloutStore]]:
+    async with sqlite_or_redis(
+        request,
+        lambda: SqliteRolloutStore(tmp_path / "state" / "rollouts.db"),
+        lambda url, prefix: RedisRolloutStore(url, key_prefix=prefix),
+    ) as backend:
         yield backend
-        for store in backend.opened:
-            await store.aclose()
-        return
-
-    url: str = request.getfixturevalue("redis_url")
-    prefix = f"t{uuid4().hex}:"
-    backend = Backend("redis", lambda: RedisRolloutStore(url, key_prefix=prefix))
-    yield backend
-    for store in backend.opened:
-        await store.aclose()
-    raw = Redis.from_url(url)
-    stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-    if stale:
-        await raw.delete(*stale)
-    await raw.aclose()
 
 
 @pytest.fixture
-async def store(backend: Backend) -> RolloutStore:
+async def store(backend: Backend[RolloutStore]) -> RolloutStore:
     store = backend.make()
     await store.start()
     return store
@@ -144,7 +119,9 @@ async def test_list_pages_past_a_hundred_records(store: RolloutStore) -> None:
     assert [r["id"] for r in await store.list(limit=200)][-1] == "active"
 
 
-async def test_one_active_rollout_per_alias(backend: Backend, store: RolloutStore) -> None:
+async def test_one_active_rollout_per_alias(
+    backend: Backend[RolloutStore], store: RolloutStore
+) -> None:
     await store.create(rollout("r1", status="running"))
     replica = backend.make()  # another gateway sees the same active rollout
     with pytest.raises(RolloutConflictError, match="r1") as caught:
@@ -277,7 +254,9 @@ async def test_push_to_an_unknown_rollout(store: RolloutStore) -> None:
     assert await store.commands("ghost") == []
 
 
-async def test_concurrent_pushes_get_distinct_seqs(backend: Backend, store: RolloutStore) -> None:
+async def test_concurrent_pushes_get_distinct_seqs(
+    backend: Backend[RolloutStore], store: RolloutStore
+) -> None:
     await store.create(rollout("r1"))
     replica = backend.make()
     seqs = await asyncio.gather(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from admission.quota import StoreUnavailable
 from core.models import GenerationDefaults
 from tests.redis_server import running_redis
+from tests.store_backends import Backend, sqlite_or_redis
 from versions.records import (
     AuditEntry,
     ModelVersion,
@@ -70,45 +71,20 @@ def entry(at: float, *, alias: str | None = "llama", action: str = "policy.set")
     )
 
 
-@dataclass
-class Backend:
-    """One store and how to open more instances over it (two act like two replicas)."""
-
-    name: str
-    open_store: Callable[[], VersionStore]
-    opened: list[VersionStore] = field(default_factory=list)
-
-    def make(self) -> VersionStore:
-        store = self.open_store()
-        self.opened.append(store)
-        return store
-
-
 @pytest.fixture(params=["sqlite", "redis"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    if request.param == "sqlite":
-        path = tmp_path / "state" / "versions.db"
-        backend = Backend("sqlite", lambda: SqliteVersionStore(path))
+async def backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Backend[VersionStore]]:
+    async with sqlite_or_redis(
+        request,
+        lambda: SqliteVersionStore(tmp_path / "state" / "versions.db"),
+        lambda url, prefix: RedisVersionStore(url, key_prefix=prefix),
+    ) as backend:
         yield backend
-        for store in backend.opened:
-            await store.aclose()
-        return
-
-    url: str = request.getfixturevalue("redis_url")
-    prefix = f"test:{uuid4().hex}:"
-    backend = Backend("redis", lambda: RedisVersionStore(url, key_prefix=prefix))
-    yield backend
-    for store in backend.opened:
-        await store.aclose()
-    raw = Redis.from_url(url)
-    stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-    if stale:
-        await raw.delete(*stale)
-    await raw.aclose()
 
 
 @pytest.fixture
-async def store(backend: Backend) -> VersionStore:
+async def store(backend: Backend[VersionStore]) -> VersionStore:
     store = backend.make()
     await store.start()
     return store
@@ -284,7 +260,7 @@ async def test_many_entries_in_one_millisecond_page_through(store: VersionStore)
 # --- replicas ----------------------------------------------------------------------------------
 
 
-async def test_a_second_store_sees_the_first_ones_writes(backend: Backend) -> None:
+async def test_a_second_store_sees_the_first_ones_writes(backend: Backend[VersionStore]) -> None:
     first, second = backend.make(), backend.make()
     version = make_version()
     await first.register(version)
