@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
+
+from tests.fakes.model_folder import fake_model_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -189,3 +194,74 @@ async def seconds_until(condition: Callable[[], Awaitable[bool]], timeout_s: flo
             raise AssertionError(f"condition still false after {elapsed:.2f} s")
         await asyncio.sleep(0.02)
     return time.monotonic() - start
+
+
+ENGINE_MODEL = "fake-model"
+"""What the fake engines of ``two_gateways`` serve (each gateway also serves it itself:
+``tandem up`` needs one deployment to be ready)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replicas:
+    """Two gateway processes on one Redis database, over two fake decode engines, with two
+    model folders differing only in their weights: two versions of one alias."""
+
+    gateways: tuple[Process, Process]
+    engines: tuple[Process, Process]
+    folders: tuple[Path, Path]
+    redis_url: str
+
+    @property
+    def a(self) -> Process:
+        return self.gateways[0]
+
+    @property
+    def b(self) -> Process:
+        return self.gateways[1]
+
+
+@contextmanager
+def two_gateways(
+    redis_url: str, db: int, name: str, env: dict[str, str] | None = None
+) -> Iterator[Replicas]:
+    """``Replicas`` on database ``db`` of ``redis_url``'s server (flushed first), with ``env``
+    added to each gateway's environment; torn down, and their folder removed, even on failure."""
+    own_url = f"{redis_url.rsplit('/', 1)[0]}/{db}"
+    with redis.Redis.from_url(own_url) as raw:
+        raw.flushdb()
+    log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{name}-"))
+    folders = (
+        fake_model_folder(log_dir / "tiny-1", weights=b"weights of version one"),
+        fake_model_folder(log_dir / "tiny-2", weights=b"weights of version two"),
+    )
+    try:
+        with (
+            fake_engine_process(
+                log_dir, name="engine-1", served_model_name=ENGINE_MODEL, output_tokens=3
+            ) as engine_1,
+            fake_engine_process(
+                log_dir, name="engine-2", served_model_name=ENGINE_MODEL, output_tokens=3
+            ) as engine_2,
+        ):
+            shared = {
+                "TANDEM_REDIS_URL": own_url,
+                "TANDEM_ADMIN_KEY": ADMIN_KEY,
+                "TANDEM_CACHE_DIR": str(log_dir / "cache"),
+                **(env or {}),
+            }
+            gateways = [
+                gateway_process(
+                    log_dir,
+                    name=gateway,
+                    decode_urls=[engine_1.base_url, engine_2.base_url],
+                    served_model_name=ENGINE_MODEL,
+                    env={**shared, "TANDEM_STATE_DIR": str(log_dir / f"state-{gateway}")},
+                )
+                for gateway in ("gateway-a", "gateway-b")
+            ]
+            with gateways[0] as a, gateways[1] as b:
+                wait_ready(a)
+                wait_ready(b)
+                yield Replicas((a, b), (engine_1, engine_2), folders, own_url)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

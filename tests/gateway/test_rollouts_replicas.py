@@ -11,30 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import redis
 
-from tests.fakes.model_folder import fake_model_folder
 from tests.gateway.replica import (
-    ADMIN_KEY,
+    ENGINE_MODEL,
     Process,
+    Replicas,
     admin_client,
-    fake_engine_process,
-    gateway_process,
-    wait_ready,
+    two_gateways,
 )
 
 pytestmark = pytest.mark.asyncio
 
-ENGINE_MODEL = "fake-model"
 ALIAS = "tiny"
 REDIS_DB = 12
 LEASE_TTL_S = 2.0
@@ -42,56 +35,11 @@ TAKEOVER_S = 10.0
 """The acceptance bound."""
 
 
-@dataclass(frozen=True, slots=True)
-class Replicas:
-    gateways: tuple[Process, Process]
-    engines: tuple[Process, Process]
-    folders: tuple[Path, Path]
-    redis_url: str
-
-
 @pytest.fixture(scope="module")
 def replicas(redis_url: str) -> Iterator[Replicas]:
-    own_url = f"{redis_url.rsplit('/', 1)[0]}/{REDIS_DB}"
-    with redis.Redis.from_url(own_url) as raw:
-        raw.flushdb()
-    log_dir = Path(tempfile.mkdtemp(prefix="tandem-rollout-replicas-"))
-    folders = (
-        fake_model_folder(log_dir / "tiny-1", weights=b"weights one"),
-        fake_model_folder(log_dir / "tiny-2", weights=b"weights two"),
-    )
-    try:
-        with (
-            fake_engine_process(
-                log_dir, name="engine-1", served_model_name=ENGINE_MODEL, output_tokens=3
-            ) as e1,
-            fake_engine_process(
-                log_dir, name="engine-2", served_model_name=ENGINE_MODEL, output_tokens=3
-            ) as e2,
-        ):
-            env = {
-                "TANDEM_REDIS_URL": own_url,
-                "TANDEM_ADMIN_KEY": ADMIN_KEY,
-                "TANDEM_CACHE_DIR": str(log_dir / "cache"),
-                "TANDEM_ROLLOUT_LEASE_TTL_S": str(LEASE_TTL_S),
-                "TANDEM_ROLLOUT_TICK_S": "0.1",
-            }
-            gateways = [
-                gateway_process(
-                    log_dir,
-                    name=name,
-                    decode_urls=[e1.base_url, e2.base_url],
-                    served_model_name=ENGINE_MODEL,
-                    env={**env, "TANDEM_STATE_DIR": str(log_dir / f"state-{name}")},
-                )
-                for name in ("gateway-a", "gateway-b")
-            ]
-            with gateways[0] as a, gateways[1] as b:
-                wait_ready(a)
-                wait_ready(b)
-                yield Replicas((a, b), (e1, e2), folders, own_url)
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    env = {"TANDEM_ROLLOUT_LEASE_TTL_S": str(LEASE_TTL_S), "TANDEM_ROLLOUT_TICK_S": "0.1"}
+    with two_gateways(redis_url, REDIS_DB, "rollout-replicas", env) as replicas:
+        yield replicas
 
 
 def lease_holder(replicas: Replicas) -> Process:

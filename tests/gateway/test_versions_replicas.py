@@ -10,32 +10,22 @@ polling the store's policy revision (``gateway/catalog.py``, every 0.5 s).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from gateway.serving.flow import VERSION_HEADER
-from tests.fakes.model_folder import fake_model_folder
 from tests.gateway.replica import (
-    ADMIN_KEY,
-    Process,
+    ENGINE_MODEL,
+    Replicas,
     admin_client,
     create_tenant,
-    fake_engine_process,
-    gateway_process,
     seconds_until,
-    wait_ready,
+    two_gateways,
 )
 
-ENGINE_MODEL = "fake-model"
-"""What the fake engines serve (every deployment's ``served_as``)."""
 ALIAS = "tiny"
 REDIS_DB = 11
 """This module's own database on the session's server: its policies and audit log start empty
@@ -48,58 +38,12 @@ NUM_CONFIRMING = 5
 back to the old one)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Replicas:
-    a: Process
-    b: Process
-    engines: tuple[Process, Process]
-    folders: tuple[Path, Path]
-    """Two model folders differing only in their weights: two versions of one alias."""
-
-
 @pytest.fixture(scope="module")
 def replicas(redis_url: str) -> Iterator[Replicas]:
     """Two fake decode engines and two gateway processes on one Redis database, torn down even
-    on failure. Each gateway also serves ``ENGINE_MODEL`` itself (``tandem up`` needs one
-    deployment to be ready); the versions are deployed by the test."""
-    own_url = f"{redis_url.rsplit('/', 1)[0]}/{REDIS_DB}"
-    with redis.Redis.from_url(own_url) as raw:
-        raw.flushdb()
-    log_dir = Path(tempfile.mkdtemp(prefix="tandem-versions-replicas-"))
-    folders = (
-        fake_model_folder(log_dir / "tiny-1", weights=b"weights of version one"),
-        fake_model_folder(log_dir / "tiny-2", weights=b"weights of version two"),
-    )
-    try:
-        with (
-            fake_engine_process(
-                log_dir, name="engine-1", served_model_name=ENGINE_MODEL, output_tokens=3
-            ) as engine_1,
-            fake_engine_process(
-                log_dir, name="engine-2", served_model_name=ENGINE_MODEL, output_tokens=3
-            ) as engine_2,
-        ):
-            env = {
-                "TANDEM_REDIS_URL": own_url,
-                "TANDEM_ADMIN_KEY": ADMIN_KEY,
-                "TANDEM_CACHE_DIR": str(log_dir / "cache"),
-            }
-            gateways = [
-                gateway_process(
-                    log_dir,
-                    name=name,
-                    decode_urls=[engine_1.base_url, engine_2.base_url],
-                    served_model_name=ENGINE_MODEL,
-                    env={**env, "TANDEM_STATE_DIR": str(log_dir / f"state-{name}")},
-                )
-                for name in ("gateway-a", "gateway-b")
-            ]
-            with gateways[0] as a, gateways[1] as b:
-                wait_ready(a)
-                wait_ready(b)
-                yield Replicas(a, b, (engine_1, engine_2), folders)
-    finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    on failure; the versions are deployed by the test."""
+    with two_gateways(redis_url, REDIS_DB, "versions-replicas") as replicas:
+        yield replicas
 
 
 async def served_version(client: httpx.AsyncClient, key: str) -> str:
