@@ -272,6 +272,18 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self._planner_drains = Counter(
+            "tandem_planner_drains",
+            "Workers the local actuator drained and stopped, by version, pool and outcome "
+            "(clean: nothing was running; deadline: streams cut or KV reads pending at the "
+            "drain deadline).",
+            ("version", "pool", "outcome"),
+            registry=self.registry,
+        )
+
+    def observe_planner_drain(self, version: str, pool: str, clean: bool) -> None:
+        self._planner_drains.labels(version, pool, "clean" if clean else "deadline").inc()
+
     def observe_planner_pool(self, version: str, pool: str, current: int, desired: int) -> None:
         """A pool's size and the planner's wish for it at its latest step."""
         self._planner_current.labels(version, pool).set(current)

@@ -4,6 +4,8 @@ gateway's per-version windows (``planner/windows_source.py``).
 
 - **Modes.** ``dry-run``: each pool is read as it is (healthy workers serving, the others
   starting) and nothing is changed; every gateway plans the pools it runs, no lease.
+  ``local``: the pools' workers are this gateway's own processes, started and drained by
+  ``gateway/local_actuator.py`` (one gateway owns them: no lease).
   ``kubernetes``: the versions' Deployments are scaled (``planner/kubernetes.py``) by the
   gateway holding the lease named ``planner`` alone. It acquires (or renews) it before each pass
   for three intervals, so a survivor takes over within about that of a holder's death. A
@@ -16,6 +18,12 @@ gateway's per-version windows (``planner/windows_source.py``).
   ``down``) and audited (actor ``planner``, action ``pool.scale``: replicas before and after,
   the reason) once: until the pool reaches that size or the planner asks for another. A dry
   run's pools never move, and its planner would otherwise say the same every step.
+- **Pause.** ``pause`` keeps the planner stepping and reporting while it changes nothing (a
+  dry run of the same mode), until ``resume``: an operator's hold during an incident or a
+  test. It is this gateway's; ``TANDEM_PLANNER_PAUSED`` starts it paused.
+- **Wake.** A request that finds its version with no decode worker asks ``wake``: when the
+  local actuator can bring one (a pool scaled to zero, or one it is booting), the next pass
+  runs at once and the request waits in the admission queue, with heartbeats, instead of a 503.
 - **Failures.** A step that cannot read the load or the pools, an actuator that refuses, and a
   bug in one version's step are logged and counted (``tandem_planner_step_errors_total``); the
   other versions still step, and the next pass tries again.
@@ -35,6 +43,7 @@ from typing import Any, Literal
 
 from admission.quota import StoreUnavailable
 from gateway.audited import audit
+from gateway.local_actuator import WorkerBudget
 from gateway.metrics import GatewayMetrics
 from planner.actuate import Actuator, ActuatorError, DryRunActuator, PoolName
 from planner.controller import Applied, LoadSource, PlannerController
@@ -48,7 +57,7 @@ from workers.deployments import Deployments
 
 log = logging.getLogger("tandem.planner")
 
-PlannerMode = Literal["off", "dry-run", "kubernetes"]
+PlannerMode = Literal["off", "dry-run", "local", "kubernetes"]
 PLANNER_ACTOR = "planner"
 """The audit log's actor of the planner's decisions."""
 LEASE_NAME = "planner"
@@ -78,6 +87,12 @@ class PlannerConfig:
     )
     namespace: str = "default"
     """The Kubernetes namespace of the versions' Deployments (``kubernetes`` mode)."""
+    budget: WorkerBudget = field(default_factory=WorkerBudget)
+    """What the local actuator may run on this host (``local`` mode)."""
+    drain_timeout_s: float = 120.0
+    """How long a worker being removed may finish its requests (``local`` mode)."""
+    paused: bool = False
+    """Start paused: stepping and reporting, changing nothing until resumed."""
 
     def __post_init__(self) -> None:
         if self.mode != "off" and self.profile is None:
@@ -93,8 +108,9 @@ def pool_state(deployments: Deployments, version: str, pool: PoolName) -> PoolSt
     if deployment is None:
         raise ActuatorError(f"{version} is not deployed on this gateway")
     workers = (deployment.prefill if pool == "prefill" else deployment.decode).workers
-    ready = sum(1 for worker in workers if worker.healthy)
-    return PoolState(ready=ready, starting=len(workers) - ready)
+    staying = [worker for worker in workers if not worker.draining]
+    ready = sum(1 for worker in staying if worker.healthy)
+    return PoolState(ready=ready, starting=len(staying) - ready)
 
 
 def dry_run_actuator(deployments: Deployments) -> DryRunActuator:
@@ -103,10 +119,12 @@ def dry_run_actuator(deployments: Deployments) -> DryRunActuator:
 
 
 class _Watched:
-    """An ``Actuator`` that remembers the pools it last read, for the status."""
+    """An ``Actuator`` that remembers the pools it last read, for the status, and carries
+    nothing out while paused."""
 
-    def __init__(self, actuator: Actuator) -> None:
+    def __init__(self, actuator: Actuator, paused: bool) -> None:
         self._actuator = actuator
+        self.paused = paused
         self.seen: dict[tuple[str, PoolName], PoolState] = {}
 
     async def state(self, version: str, pool: PoolName) -> PoolState:
@@ -115,6 +133,9 @@ class _Watched:
         return state
 
     async def scale(self, version: str, pool: PoolName, replicas: int, reason: str) -> None:
+        if self.paused:
+            log.info("planner (paused): %s %s -> %d workers: %s", version, pool, replicas, reason)
+            return
         await self._actuator.scale(version, pool, replicas, reason)
 
 
@@ -146,16 +167,21 @@ class GatewayPlanner:
         lease: Lease | None = None,
         holder: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decode_coming: Callable[[str], bool] | None = None,
     ) -> None:
         """``lease``: only its holder acts (None: this gateway always does, as in a dry run).
-        ``clock``: the scaling windows' time (monotonic)."""
+        ``clock``: the scaling windows' time (monotonic). ``decode_coming(version)``: whether
+        the actuator has a decode worker of ``version`` on its way or can start one (``wake``;
+        None: it never can)."""
         if config.profile is None:
             raise ValueError("the planner needs a worker profile")
         self.config = config
         self._profile = config.profile
         self._deployments = deployments
         self._source = source
-        self._actuator = _Watched(actuator)
+        self._actuator = _Watched(actuator, config.paused)
+        self._decode_coming = decode_coming
+        self._woken = asyncio.Event()
         self._metrics = metrics
         self._audit_store = audit_store
         self._lease = lease
@@ -179,9 +205,35 @@ class GatewayPlanner:
                 await self._lease.release(self.holder)
             self._holding = False
 
+    @property
+    def paused(self) -> bool:
+        return self._actuator.paused
+
+    def pause(self) -> None:
+        """Go on stepping and reporting; change nothing until ``resume``."""
+        self._actuator.paused = True
+
+    def resume(self) -> None:
+        self._actuator.paused = False
+
+    def wake(self, version: str) -> bool:
+        """A request found ``version`` without a decode worker: True when one is on its way
+        (the next pass runs now to start it if need be), so the request may wait for it."""
+        if (
+            self.paused
+            or self._decode_coming is None
+            or self.config.decode.max_replicas == 0
+            or not self._decode_coming(version)
+        ):
+            return False
+        self._woken.set()
+        return True
+
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.config.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), self.config.interval_s)
+            self._woken.clear()
             try:
                 await self.run_once()
             except Exception:
@@ -217,6 +269,7 @@ class GatewayPlanner:
         to_unix = time.time() - self._clock()
         return {
             "mode": config.mode,
+            "paused": self.paused,
             "interval_s": config.interval_s,
             "targets": {
                 "ttft_s": config.targets.ttft_s,
@@ -290,7 +343,7 @@ class GatewayPlanner:
                     "pool": done.pool,
                     "replicas": decision.desired,
                     "recommended": decision.recommended,
-                    "dry_run": self.config.mode == "dry-run",
+                    "dry_run": self.config.mode == "dry-run" or self.paused,
                 },
                 reason=decision.reason,
             )
@@ -328,6 +381,14 @@ class GatewayPlanner:
             self._actuator.seen.pop((version, pool), None)
         self._metrics.forget_planner_version(version)
 
+    def _draining(self, version: str, pool: PoolName) -> int:
+        """The pool's workers leaving now (a scale-down's drains)."""
+        deployment = self._deployments.get(version)
+        if deployment is None:
+            return 0
+        source = deployment.prefill if pool == "prefill" else deployment.decode
+        return sum(1 for worker in source.workers if worker.draining)
+
     def _version_status(self, version: str, planned: _Version, to_unix: float) -> dict[str, Any]:
         history = list(planned.controller.history)
         pools = {}
@@ -339,6 +400,7 @@ class GatewayPlanner:
             pools[pool] = {
                 "ready": None if seen is None else seen.ready,
                 "starting": None if seen is None else seen.starting,
+                "draining": self._draining(version, pool),
                 "desired": steps[-1].decision.desired if steps else None,
                 "min_replicas": policy.min_replicas,
                 "max_replicas": policy.max_replicas,

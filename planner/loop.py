@@ -99,4 +99,5 @@ class Planner:
             predictors["input"].predict(),
             predictors["output"].predict(),
             seen.prefill_backlog_tokens,
+            seen.waiting_requests,
         )

@@ -10,8 +10,9 @@ measured profile, corrected by what is observed):
 The corrections only ever add: a latency above its target means the profile is optimistic
 here (interference, a busy host); one below it is not taken as a reason to remove a worker the
 load still needs. The prefill correction is left out while prompts are queued: the backlog
-term already answers for them. No traffic needs no worker; the pool's floor is the scaling
-policy's business (``scaling``).
+term already answers for them. A request waiting for its first token needs at least one decode
+worker. No traffic needs no worker; the pool's floor is the scaling policy's business
+(``scaling``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Load:
     """Mean output tokens per request."""
     prefill_backlog_tokens: float = 0.0
     """Prompt tokens queued or prefilling now, to be worked off within the next interval."""
+    waiting_requests: int = 0
+    """Requests waiting for their first token now (in the backlog)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,10 @@ def needed(
     if streams > 0:
         per_worker = profile.decode_concurrency(targets.itl_s) * targets.headroom
         decode = _ceil(streams * decode_fix / per_worker)
+    if load.waiting_requests:
+        # A request waiting needs a worker to decode it, whatever the rate says: this is how a
+        # pool scaled to zero comes back for the first request.
+        decode = max(decode, 1)
     return Needed(prefill, decode, prefill_fix, decode_fix)
 
 

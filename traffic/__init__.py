@@ -10,8 +10,11 @@ standard library; the gateway owns the loops that reload policies and feed the w
   top), ``Resolver`` (every alias's policy, replaced whole).
 - ``shadow``: ``ShadowLimiter``, the in-flight cap on shadow copies per version.
 - ``windows``: ``VersionWindows``, time-bucketed figures per version, and their snapshots.
+- ``backlog``: ``Backlog``, the requests of each version waiting for their first token (the
+  autoscaling planner's prefill backlog).
 """
 
+from traffic.backlog import Backlog, Waiting
 from traffic.policy import (
     Pin,
     PolicyError,
@@ -35,6 +38,7 @@ from traffic.shadow import ShadowLimiter
 from traffic.windows import Quantiles, RequestFigures, VersionWindows, WindowSnapshot
 
 __all__ = [
+    "Backlog",
     "CompiledPolicy",
     "Pin",
     "PolicyError",
@@ -49,6 +53,7 @@ __all__ = [
     "Subject",
     "TrafficPolicy",
     "VersionWindows",
+    "Waiting",
     "WindowSnapshot",
     "check_versions",
     "policy_from_dict",

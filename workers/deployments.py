@@ -33,10 +33,11 @@ class Deployment:
 
     @property
     def healthy(self) -> bool:
-        """A request could be served now: a healthy decode worker, and a healthy prefill
-        worker when it has a prefill pool."""
-        decode_ok = any(worker.healthy for worker in self.decode.workers)
-        prefill = self.prefill.workers
+        """A request could be served now: a decode worker in rotation, and a prefill worker in
+        rotation when it has prefill workers that are not leaving (a prefill pool scaled to
+        zero serves colocated)."""
+        decode_ok = any(worker.in_rotation for worker in self.decode.workers)
+        prefill = [worker for worker in self.prefill.workers if not worker.draining]
         return decode_ok and (not prefill or any(worker.healthy for worker in prefill))
 
     @property

@@ -4,6 +4,10 @@ Managed workers are vLLM servers this pool launched (``WorkerSpec``); external w
 base URLs someone else runs (GPU hosts, another machine) and are only health-polled. The pool
 owns its background tasks: one health poller, plus one supervisor per managed worker that
 waits for the process to exit, reports it, and restarts it with exponential backoff.
+
+A started pool grows and shrinks (the planner's local actuator): ``add`` launches one more
+managed worker, which serves once healthy; ``drain`` takes one out of rotation, waits for what
+it runs (requests, and KV decode legs have yet to read) up to a deadline, then stops it.
 """
 
 from __future__ import annotations
@@ -27,10 +31,23 @@ logger = logging.getLogger("tandem.workers")
 
 _PROGRESS_INTERVAL_S = 1.0
 _READY_POLL_S = 0.1
+_DRAIN_POLL_S = 0.1
 
 
 class WorkerStartupError(RuntimeError):
     """A worker exited, or did not become healthy in time, while the pool waited for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """How a drained worker left."""
+
+    name: str
+    waited_s: float
+    cut: int
+    """Requests still in flight on it at the deadline (they end with an error event)."""
+    kv_unread: int
+    """Decode legs that had not read its KV at the deadline (they re-run colocated)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +141,7 @@ class _Member:
     last_exit_code: int | None = None
     last_health_error: str = "not checked yet"
     num_health_failures: int = 0  # consecutive
+    supervisor: asyncio.Task[None] | None = None
 
 
 class WorkerPool:
@@ -216,7 +234,66 @@ class WorkerPool:
         self._spawn(self._poll_health(), "health")
         for m in self._members:
             if m.process is not None:
-                self._spawn(self._supervise(m, m.process), f"supervise {m.worker.name}")
+                m.supervisor = self._spawn(
+                    self._supervise(m, m.process), f"supervise {m.worker.name}"
+                )
+
+    async def add(self, spec: WorkerSpec) -> Worker:
+        """Launch one more managed worker; it returns once the process started, and the worker
+        takes requests once its health check passes (a vLLM boot: minutes on CPU)."""
+        if self._session is None:
+            raise RuntimeError("start() the pool before adding workers")
+        if spec.role is not self.config.role:
+            raise ValueError(f"{spec.name} is a {spec.role.value} worker, not {self.config.role}")
+        if any(m.worker.name == spec.name for m in self._members):
+            raise ValueError(f"the pool already has a worker named {spec.name}")
+        process = WorkerProcess(spec, self.config.log_dir)
+        m = _Member(
+            Worker(spec.name, self.config.role, spec.base_url),
+            process,
+            self.config.restart_backoff_initial_s,
+            time.monotonic(),
+        )
+        await process.start()
+        self._members.append(m)
+        m.supervisor = self._spawn(self._supervise(m, process), f"supervise {spec.name}")
+        logger.info("%s started (%s)", spec.name, spec.base_url)
+        return m.worker
+
+    async def drain(self, name: str, timeout_s: float) -> Drained:
+        """Take managed worker ``name`` out of rotation, wait up to ``timeout_s`` for what it
+        runs to end, then stop its process and remove it from the pool.
+
+        Its streams finish on it; one still running at the deadline is cut when the process
+        stops, and its client gets an error event. A decode leg still to read the KV it holds
+        re-runs colocated (``Router.decode``). Cancelled, the worker stays, draining, until
+        ``aclose``."""
+        m = next((m for m in self._members if m.worker.name == name), None)
+        if m is None or m.process is None:
+            raise ValueError(f"{name} is not a managed worker of this pool")
+        worker = m.worker
+        worker.draining = True
+        started = time.monotonic()
+        # Polled: a worker's counts have no event to wait on, and a drain is rare.
+        while worker.busy and time.monotonic() - started < timeout_s:  # noqa: ASYNC110
+            await asyncio.sleep(_DRAIN_POLL_S)
+        drained = Drained(
+            name, time.monotonic() - started, worker.num_outstanding, worker.num_kv_held
+        )
+        if m.supervisor is not None:  # gone first, or it would restart the stopped process
+            m.supervisor.cancel()
+            await asyncio.gather(m.supervisor, return_exceptions=True)
+        await m.process.aclose(self.config.stop_timeout_s)
+        worker.healthy = False
+        self._members.remove(m)
+        if drained.cut or drained.kv_unread:
+            logger.warning(
+                "%s stopped after its %.0f s drain deadline with %d requests in flight and %d "
+                "KV reads pending", name, timeout_s, drained.cut, drained.kv_unread,
+            )  # fmt: skip
+        else:
+            logger.info("%s drained in %.1f s and stopped", name, drained.waited_s)
+        return drained
 
     async def wait_ready(
         self, timeout_s: float | None = None, on_progress: Callable[[str], None] | None = None
@@ -235,7 +312,7 @@ class WorkerPool:
         while True:
             for m in self._members:
                 if m.process is not None and (
-                    m.num_exits > exits_before[m.worker.name] or not m.process.running
+                    m.num_exits > exits_before.get(m.worker.name, 0) or not m.process.running
                 ):
                     code = m.process.returncode
                     exit_text = _describe_exit(m.last_exit_code if code is None else code)
@@ -275,10 +352,11 @@ class WorkerPool:
         if self._session is not None:
             await self._session.close()
 
-    def _spawn(self, coro: Coroutine[object, object, None], what: str) -> None:
+    def _spawn(self, coro: Coroutine[object, object, None], what: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=f"{self.config.role.value} pool: {what}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

@@ -24,6 +24,23 @@ class Worker:
     kv_usage: float | None = None
     """Last reported ``vllm:kv_cache_usage_perc`` (0..1), written by ``KvUsageWatcher``; None
     when unknown (not read yet, unreadable, unhealthy, or a worker nobody polls)."""
+    draining: bool = False
+    """Leaving: no new request is routed to it while the ones it has finish (a scale-down,
+    ``WorkerPool.drain``). It stays health-checked, and counts as lost only if it goes down."""
+    num_kv_held: int = 0
+    """Decode legs that have yet to read the KV this prefill worker computed for them: it must
+    not stop before they have (or it would fail their transfer)."""
+
+    @property
+    def in_rotation(self) -> bool:
+        """Whether new requests may be routed to it: healthy and not draining."""
+        return self.healthy and not self.draining
+
+    @property
+    def busy(self) -> bool:
+        """Whether stopping it now would cut something: a request in flight, or KV a decode
+        leg still has to read."""
+        return self.num_outstanding > 0 or self.num_kv_held > 0
 
     def kv_full(self, watermark: float) -> bool:
         """Whether the worker's KV cache is at or over ``watermark``: it should take nothing new.
@@ -40,9 +57,19 @@ class Worker:
         finally:
             self.num_outstanding -= 1
 
+    @contextmanager
+    def holding_kv(self) -> Iterator[Worker]:
+        """Count one decode leg that will read KV from this worker for as long as the block
+        runs (the leg, up to its first byte: by then the KV has been read)."""
+        self.num_kv_held += 1
+        try:
+            yield self
+        finally:
+            self.num_kv_held -= 1
+
 
 def least_loaded(workers: Iterable[Worker], kv_watermark: float | None = None) -> Worker | None:
-    """The healthy worker with the fewest outstanding requests (first listed wins ties); with
+    """The worker in rotation with the fewest outstanding requests (first listed wins ties); with
     ``kv_watermark``, the least-loaded one among those that are not ``kv_full`` at it.
 
     If every healthy worker is KV-full, the least-loaded of them all: a request gets here only
@@ -53,7 +80,7 @@ def least_loaded(workers: Iterable[Worker], kv_watermark: float | None = None) -
     best: Worker | None = None
     best_full: Worker | None = None
     for worker in workers:
-        if not worker.healthy:
+        if not worker.in_rotation:
             continue
         if kv_watermark is not None and worker.kv_full(kv_watermark):
             if best_full is None or worker.num_outstanding < best_full.num_outstanding:
@@ -80,7 +107,7 @@ class WorkerSource(Protocol):
 
 
 def pick_by_affinity(workers: Iterable[Worker], key: str, max_extra_load: int) -> Worker | None:
-    """The healthy worker that ``key`` hashes to, unless it is busier than the least-loaded one
+    """The worker in rotation that ``key`` hashes to, unless it is busier than the least-loaded one
     by more than ``max_extra_load`` requests; then the least-loaded one.
 
     Rendezvous hashing: each key prefers one worker, and when workers come or go only the keys
@@ -88,11 +115,11 @@ def pick_by_affinity(workers: Iterable[Worker], key: str, max_extra_load: int) -
     prefix cache already holds it. KV usage plays no part: this picks prefill workers, whose
     usage nobody polls (``Worker.kv_usage`` stays None).
     """
-    healthy = [worker for worker in workers if worker.healthy]
-    least = least_loaded(healthy)
+    serving = [worker for worker in workers if worker.in_rotation]
+    least = least_loaded(serving)
     if least is None:
         return None
-    preferred = max(healthy, key=lambda worker: _rendezvous_score(key, worker.name))
+    preferred = max(serving, key=lambda worker: _rendezvous_score(key, worker.name))
     if preferred.num_outstanding - least.num_outstanding > max_extra_load:
         return least
     return preferred

@@ -39,6 +39,7 @@ from gateway.audited import CONFIG_ACTOR, register_version, set_policy
 from gateway.auth import AdminAuth, Authenticator
 from gateway.catalog import Catalog, Deployer, VersionBuilder
 from gateway.errors import install_error_handlers
+from gateway.local_actuator import LocalActuator, WorkerLauncher
 from gateway.metrics import GatewayMetrics
 from gateway.operations import GatewayTraffic
 from gateway.planning import LEASE_NAME, GatewayPlanner, PlannerConfig, dry_run_actuator
@@ -56,6 +57,7 @@ from gateway.serving.upstream import EngineClient, UpstreamConfig
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.decider import DeciderConfig
 from planner.actuate import Actuator
+from planner.controller import LoadSource
 from planner.windows_source import WindowsLoadSource
 from rollouts.controller import RolloutController
 from rollouts.lease import Lease
@@ -65,6 +67,7 @@ from rollouts.quality import QualityCheck, compare
 from rollouts.webhook import WebhookSender
 from telemetry.otlp_metrics import OtlpGenAiMetrics, OtlpMetricsConfig
 from telemetry.tracing import Tracing, TracingConfig
+from traffic.backlog import Backlog
 from traffic.shadow import ShadowLimiter
 from traffic.windows import VersionWindows
 from versions.records import ModelVersion
@@ -199,10 +202,12 @@ def create_app(
     deployments: Deployments,
     builder: VersionBuilder | None = None,
     deployer: Deployer | None = None,
+    launcher: WorkerLauncher | None = None,
 ) -> FastAPI:
     """Build the gateway app over deployments someone else starts and stops (the CLI or a
     test); ``builder`` registers model sources and ``deployer`` starts and stops more
-    versions at runtime (the admin API's)."""
+    versions at runtime (the admin API's); ``launcher`` adds and drains single workers (the
+    planner's ``local`` mode)."""
     prefill = deployments.pool(WorkerRole.PREFILL)
     decode = deployments.pool(WorkerRole.DECODE)
     metrics = GatewayMetrics([prefill, decode])
@@ -210,7 +215,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         async with contextlib.AsyncExitStack() as resources:
-            services = await assemble(config, deployments, builder, deployer, metrics, resources)
+            services = await assemble(
+                config, deployments, builder, deployer, metrics, resources, launcher
+            )
             # Lifespan state: each request's ``request.state`` gets these; the routers'
             # dependencies read their own part (gateway/serving/routes.py, gateway/admin/deps.py).
             yield {SERVING_STATE: services.serving, ADMIN_STATE: services.admin, _OPS: services}
@@ -262,6 +269,7 @@ async def assemble(
     deployer: Deployer | None,
     metrics: GatewayMetrics,
     resources: contextlib.AsyncExitStack,
+    launcher: WorkerLauncher | None = None,
 ) -> Services:
     """Start what the gateway runs (clients, stores, watchers, the admission queue, billing,
     moderation, the traffic policies); each one's shutdown is pushed on ``resources``, so
@@ -346,12 +354,26 @@ async def assemble(
         await rollout_controller.start()
         # Stopped before the shadows, catalog and stores it uses (pushed earlier).
         resources.push_async_callback(rollout_controller.aclose)
+    backlog = Backlog()
     planner = await _planner(
-        config.planner, deployments, windows, metrics, stores.versions, access.stores, resources
+        config.planner,
+        deployments,
+        WindowsLoadSource(windows, backlog),
+        metrics,
+        stores.versions,
+        access.stores,
+        resources,
+        launcher,
     )
     serving = ServingServices(
         catalog=catalog,
-        router=Router(engine, deployments, config.decider, config.connector.kv_lease_s),
+        router=Router(
+            engine,
+            deployments,
+            config.decider,
+            config.connector.kv_lease_s,
+            on_no_decode=planner.wake if planner is not None else lambda version: False,
+        ),
         gate=gate,
         content=ContentPolicy(moderator, config.moderation.default_policy, metrics),
         idempotency=idempotency,
@@ -362,6 +384,7 @@ async def assemble(
         shadows=shadows,
         tracing=tracing,
         billing=billing,
+        backlog=backlog,
     )
     admin = AdminServices(
         admin_auth=AdminAuth(access.admin_key, authenticator),
@@ -438,18 +461,36 @@ def _agreement_source(shadows: ShadowRunner) -> AgreementSource:
 async def _planner(
     config: PlannerConfig,
     deployments: Deployments,
-    windows: VersionWindows,
+    source: LoadSource,
     metrics: GatewayMetrics,
     audit_store: VersionStore,
     stores: StoreConfig,
     resources: contextlib.AsyncExitStack,
+    launcher: WorkerLauncher | None,
 ) -> GatewayPlanner | None:
     """The autoscaling planner the configuration asks for, started; None when it is off."""
     if config.mode == "off":
         return None
     lease: Lease | None = None
     actuator: Actuator
-    if config.mode == "kubernetes":
+    decode_coming = None
+    if config.mode == "local":
+        if launcher is None:
+            raise ValueError("the planner's local mode needs the gateway's own workers")
+        local = LocalActuator(
+            launcher,
+            deployments,
+            config.budget,
+            config.drain_timeout_s,
+            on_drained=lambda version, pool, drained: metrics.observe_planner_drain(
+                version, pool, clean=not (drained.cut or drained.kv_unread)
+            ),
+        )
+        # Stopped after the planner (pushed later), before the supervisor stops the pools.
+        resources.push_async_callback(local.aclose)
+        actuator = local
+        decode_coming = local.decode_coming
+    elif config.mode == "kubernetes":
         # Imported here: the Kubernetes client takes a noticeable while to import, and every
         # `tandem` command imports this module.
         from planner.kubernetes import KubernetesActuator, KubernetesConfig
@@ -465,11 +506,12 @@ async def _planner(
     planner = GatewayPlanner(
         config,
         deployments,
-        WindowsLoadSource(windows),
+        source,
         actuator,
         metrics,
         audit_store=audit_store,
         lease=lease,
+        decode_coming=decode_coming,
     )
     await planner.start()
     # Stopped before its actuator, its lease and the version store it audits to (pushed

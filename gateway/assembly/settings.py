@@ -191,12 +191,16 @@ class TandemSettings(BaseSettings):
     replicas' traffic by PromQL; unset = the embedded default, the lease holder's own windows
     (its replica's share of the traffic)."""
 
-    planner: Literal["off", "dry-run", "kubernetes"] = "off"
+    planner: Literal["off", "dry-run", "local", "kubernetes"] = "off"
     """The autoscaling planner (``gateway/planning.py``): ``dry-run`` plans this gateway's pools
-    every ``planner_interval_s`` and only reports (status, metrics, audit); ``kubernetes``
-    scales each version's prefill and decode Deployments, from the gateway holding the
-    planner's lease. On, it needs a worker profile (``planner_profile``, made by
-    ``tandem profile``): without one the gateway refuses to start."""
+    every ``planner_interval_s`` and only reports (status, metrics, audit); ``local`` starts
+    and drains this gateway's own vLLM workers (``tandem up``'s); ``kubernetes`` scales each
+    version's prefill and decode Deployments, from the gateway holding the planner's lease. On,
+    it needs a worker profile (``planner_profile``, made by ``tandem profile``): without one the
+    gateway refuses to start."""
+    planner_paused: bool = False
+    """Start the planner paused: it steps and reports, and changes nothing until resumed
+    (``tandem planner resume``)."""
     planner_profile: Path | None = None
     """The worker profile the planner sizes pools by (``tandem profile --out FILE``); unset =
     ``state_dir/profile.json``. One profile serves every version."""
@@ -225,6 +229,17 @@ class TandemSettings(BaseSettings):
     """No shrinking within this of a pool's last change."""
     planner_tolerance: float = Field(0.1, ge=0)
     """A recommendation within this share of the current size is no change (hysteresis)."""
+    planner_max_workers: int | None = Field(None, ge=0)
+    """``local``: vLLM workers the planner may run on this host, every version and pool
+    together (draining ones count); unset: as many as ``planner_memory_gib`` holds."""
+    planner_memory_gib: float | None = Field(None, gt=0)
+    """``local``: memory the workers may take; unset: 80 % of the host's."""
+    planner_worker_memory_gib: float = Field(4.0, gt=0)
+    """``local``: memory one worker takes (the bundled model with a 1 GiB KV cache on CPU:
+    ~3.7 GB)."""
+    planner_drain_timeout_s: float = Field(120.0, ge=0)
+    """``local``: how long a worker being removed may finish its streams; those still running
+    then end with an error event."""
     planner_namespace: str = Field("default", min_length=1)
     """Kubernetes namespace of the versions' Deployments (``planner=kubernetes``;
     ``deploy/kubernetes`` uses ``tandem``)."""

@@ -33,6 +33,7 @@ from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stores import StoreConfig
 from gateway.assembly.supervisor import LocalVersionBuilder, Supervisor, connector_config
 from gateway.catalog import DeploymentSpec
+from gateway.local_actuator import WorkerBudget, host_memory_gib
 from gateway.planning import PlannerConfig
 from gateway.serving.content_policy import ModerationSetup
 from gateway.serving.deadlines import DeadlineConfig
@@ -223,7 +224,13 @@ class Stack:
             tracing=self.tracing,
             otlp_metrics=OtlpMetricsConfig.from_env(),
         )
-        return create_app(config, self.deployments, LocalVersionBuilder(settings), self.supervisor)
+        return create_app(
+            config,
+            self.deployments,
+            LocalVersionBuilder(settings),
+            self.supervisor,
+            launcher=self.supervisor,
+        )
 
 
 def planner_config(settings: TandemSettings) -> PlannerConfig:
@@ -258,7 +265,24 @@ def planner_config(settings: TandemSettings) -> PlannerConfig:
             **windows,
         ),
         namespace=settings.planner_namespace,
+        budget=WorkerBudget(
+            max_workers=settings.planner_max_workers,
+            memory_gib=settings.planner_memory_gib or _default_memory_gib(),
+            worker_memory_gib=settings.planner_worker_memory_gib,
+        ),
+        drain_timeout_s=settings.planner_drain_timeout_s,
+        paused=settings.planner_paused,
     )
+
+
+_HOST_MEMORY_SHARE = 0.8
+"""Of the host's memory, what the local actuator's workers may take by default (the gateway,
+Redis and the OS keep the rest)."""
+
+
+def _default_memory_gib() -> float | None:
+    host = host_memory_gib()
+    return None if host is None else host * _HOST_MEMORY_SHARE
 
 
 def moderation_setup(settings: TandemSettings) -> ModerationSetup:

@@ -14,7 +14,7 @@ import asyncio
 import shlex
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.messages import WorkerRole
@@ -30,8 +30,9 @@ from versions.manifest import manifest_for, output_affecting_args
 from versions.records import ModelVersion, VersionSourceError, check_alias
 from workers.deployments import Deployment, DeploymentExistsError
 from workers.model import BUNDLED_SOURCE, ModelPreparationError, prepare_in_subprocess
-from workers.pool import PoolConfig, WorkerPool, WorkerStartupError
-from workers.process import LaunchConfig, WorkerSpec
+from workers.pool import Drained, PoolConfig, WorkerPool, WorkerStartupError
+from workers.process import LaunchConfig, WorkerProcess, WorkerSpec
+from workers.registry import Worker
 
 
 def connector_config(settings: TandemSettings) -> ConnectorConfig:
@@ -147,9 +148,11 @@ class Supervisor:
         }
         self._taken: set[int] = set()
         self._num_deployed = 0
-        self._binds: dict[str, tuple[str | None, ...]] = {}
-        """The cores each deployed version's managed workers are pinned to."""
+        self._binds: dict[str, dict[str, str | None]] = {}
+        """Per deployed version, the cores each of its managed workers is pinned to."""
         self._pools: dict[str, tuple[WorkerPool, WorkerPool]] = {}
+        self._launches: dict[str, _Launches] = {}
+        """How each version with managed workers launches more of them."""
 
     def plan(self, version: ModelVersion | None, spec: DeploymentSpec) -> Deployment:
         """The deployment's pools, not started; ``version`` None: external workers only, under
@@ -179,10 +182,12 @@ class Supervisor:
         if model.version_name in self._pools:
             raise DeploymentExistsError(f"{model.version_name} is already deployed")
         binds = self._cpu_binds(first, spec.num_prefill + spec.num_decode)
-        self._binds[model.version_name] = binds
         prefill_specs: tuple[WorkerSpec, ...] = ()
         decode_specs: tuple[WorkerSpec, ...] = ()
         if launch is not None:
+            decode_launch = replace(
+                launch, max_num_batched_tokens=settings.decode_step_tokens or None
+            )
             prefill_specs = self._with_ports(
                 prefill_worker_specs(
                     launch, num_workers=spec.num_prefill, cpu_binds=binds[: spec.num_prefill]
@@ -191,12 +196,20 @@ class Supervisor:
             )
             decode_specs = self._with_ports(
                 decode_worker_specs(
-                    replace(launch, max_num_batched_tokens=settings.decode_step_tokens or None),
+                    decode_launch,
                     num_workers=spec.num_decode,
                     cpu_binds=binds[spec.num_prefill :],
                 ),
                 prefix,
             )
+            self._launches[model.version_name] = _Launches(
+                {WorkerRole.PREFILL: launch, WorkerRole.DECODE: decode_launch},
+                prefix,
+                {WorkerRole.PREFILL: spec.num_prefill, WorkerRole.DECODE: spec.num_decode},
+            )
+        self._binds[model.version_name] = {
+            worker.name: worker.cpu_bind for worker in (*prefill_specs, *decode_specs)
+        }
         prefill = PrefillPool(
             self._pool_config(WorkerRole.PREFILL, prefill_specs, spec.prefill_urls, prefix)
         )
@@ -220,7 +233,7 @@ class Supervisor:
             return tuple(cycle)
         load = {bind: 0 for bind in cycle}
         for binds in self._binds.values():
-            for bind in binds:
+            for bind in binds.values():
                 if bind in load:
                     load[bind] += 1
         chosen: list[str | None] = []
@@ -252,8 +265,80 @@ class Supervisor:
         """Stop its managed workers."""
         pools = self._pools.pop(deployment.version, None)
         self._binds.pop(deployment.version, None)
+        self._launches.pop(deployment.version, None)
         if pools is not None:
             await asyncio.gather(*(pool.aclose() for pool in pools))
+            for pool in pools:
+                for status in pool.status():
+                    self._give_back_ports(pool.process(status.name))
+
+    def can_add(self, version: str) -> bool:
+        """Whether ``version``'s pools can be given more workers here (it has managed ones:
+        external workers are someone else's to start)."""
+        return version in self._launches and version in self._pools
+
+    def managed(self, version: str, role: WorkerRole) -> set[str]:
+        """Names of the managed workers of ``version``'s ``role`` pool."""
+        pools = self._pools.get(version)
+        if pools is None:
+            return set()
+        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
+        return {status.name for status in pool.status() if status.managed}
+
+    def num_managed(self) -> int:
+        """Managed worker processes of every deployment, draining ones included (what the
+        host runs now)."""
+        return sum(1 for pool in self.pools() for status in pool.status() if status.managed)
+
+    async def add_worker(self, version: str, role: WorkerRole) -> Worker:
+        """Launch one more worker in ``version``'s ``role`` pool (it serves once healthy)."""
+        launches = self._launches.get(version)
+        pools = self._pools.get(version)
+        if launches is None or pools is None:
+            raise DeployError(f"{version} has no managed workers here to add to")
+        index = launches.next_index[role]
+        launches.next_index[role] = index + 1
+        bind = next(iter(self._cpu_binds(False, 1)), None)
+        spec = WorkerSpec(
+            name=f"{launches.prefix}{role.value}-{index}",
+            role=role,
+            port=self._take(role.value),
+            side_channel_port=self._take("side_channel"),
+            launch=launches.launch[role],
+            cpu_bind=bind,
+        )
+        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
+        try:
+            worker = await pool.add(spec)
+        except BaseException:
+            self._give_back(spec)
+            raise
+        self._binds[version][spec.name] = bind
+        return worker
+
+    async def drain_worker(
+        self, version: str, role: WorkerRole, name: str, timeout_s: float
+    ) -> Drained:
+        """Drain managed worker ``name`` of ``version`` (``WorkerPool.drain``) and give its
+        ports and core binding back."""
+        pools = self._pools.get(version)
+        if pools is None:
+            raise DeployError(f"{version} is not deployed here")
+        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
+        process = pool.process(name)
+        drained = await pool.drain(name, timeout_s)
+        self._binds.get(version, {}).pop(name, None)
+        self._give_back_ports(process)
+        return drained
+
+    def _give_back_ports(self, process: WorkerProcess | None) -> None:
+        if process is not None:
+            self._give_back(process.spec)
+
+    def _give_back(self, spec: WorkerSpec) -> None:
+        for kind, port in ((spec.role.value, spec.port), ("side_channel", spec.side_channel_port)):
+            self._taken.discard(port)
+            self._next_port[kind] = min(self._next_port[kind], port)
 
     async def aclose(self) -> None:
         """Stop every pool this supervisor started; no worker process is left behind."""
@@ -267,8 +352,9 @@ class Supervisor:
 
     def _with_ports(self, specs: tuple[WorkerSpec, ...], prefix: str) -> tuple[WorkerSpec, ...]:
         """``specs`` named with ``prefix``, each on the next free HTTP and side-channel port:
-        ports count up from the settings' bases across every deployment, skipping any port
-        another worker of this gateway (of any kind) or another process holds."""
+        ports count up from the settings' bases across every deployment (from the lowest a
+        stopped worker gave back), skipping any port another worker of this gateway (of any
+        kind) or another process holds."""
         return tuple(
             replace(
                 spec,
@@ -331,6 +417,17 @@ class Supervisor:
             # they are ever KV-full: admission capacity and decode picking share this one value.
             kv_watermark=settings.kv_usage_watermark,
         )
+
+
+@dataclass(slots=True)
+class _Launches:
+    """How a version's managed workers are launched, to add more at runtime."""
+
+    launch: dict[WorkerRole, LaunchConfig]
+    prefix: str
+    """Before each worker's name (empty for the first deployment)."""
+    next_index: dict[WorkerRole, int]
+    """The number the pool's next worker is named with (never reused: a name is a log file)."""
 
 
 def _version_args(version: ModelVersion, gateway_wide: str) -> tuple[str, ...]:

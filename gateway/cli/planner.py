@@ -1,9 +1,11 @@
-"""``tandem planner status [--json]``: the autoscaling planner of a gateway, over the admin API.
+"""``tandem planner status [--json]``, ``tandem planner pause|resume [--reason TEXT]``: the
+autoscaling planner of a gateway, over the admin API.
 
-A table, one row per version and pool: the workers the planner last read (serving, starting),
-the size it wants, its limits, what its latest step decided and why, and its last change of
-the pool (when, from and to; the actuator's refusal if it refused). ``--json`` prints the
-API's JSON (``GET /admin/v1/planner``). Connection flags as ``tandem admin``.
+``status`` prints a table, one row per version and pool: the workers the planner last read
+(serving, starting, draining), the size it wants, its limits, what its latest step decided and
+why, and its last change of the pool (when, from and to; the actuator's refusal if it refused).
+``--json`` prints the API's JSON (``GET /admin/v1/planner``). ``pause`` holds the planner's
+changes (it still steps and reports) until ``resume``. Connection flags as ``tandem admin``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def add_planner_parser(commands: Any) -> None:
     status.add_argument("--json", action="store_true", help="the API's JSON instead")
     add_connection_flags(status, subcommand=True)
     add_log_level_flag(status)
+    for verb, what in (
+        ("pause", "hold the planner's changes (it still steps and reports)"),
+        ("resume", "let the planner's changes go again"),
+    ):
+        command = cmds.add_parser(verb, help=what)
+        command.add_argument("--reason", default="", help="why, for the audit log")
+        add_connection_flags(command, subcommand=True)
+        add_log_level_flag(command)
 
 
 def run_planner(args: argparse.Namespace) -> int:
@@ -49,6 +59,10 @@ def run_planner(args: argparse.Namespace) -> int:
 
 
 def _dispatch(client: httpx.Client, args: argparse.Namespace) -> None:
+    if args.planner_command in ("pause", "resume"):
+        status = call_api(client, "POST", f"{_API}/{args.planner_command}", {"reason": args.reason})
+        out.print(f"planner: {'paused' if status['paused'] else 'running'}")
+        return
     status = call_api(client, "GET", _API)
     if args.json:
         show_json(status)
@@ -65,8 +79,11 @@ def render(status: dict[str, Any]) -> list[str | Table]:
     if status["mode"] == "off":
         return ["planner: off (TANDEM_PLANNER=dry-run plans this gateway's pools and reports)"]
     targets = status["targets"]
+    paused = (
+        " (paused: changes nothing until `tandem planner resume`)" if status.get("paused") else ""
+    )
     lines: list[str | Table] = [
-        f"planner: {status['mode']}, every {status['interval_s']:g} s; targets TTFT "
+        f"planner: {status['mode']}{paused}, every {status['interval_s']:g} s; targets TTFT "
         f"{targets['ttft_s']:g} s, ITL {targets['itl_s']:g} s, {targets['headroom']:.0%} of a "
         f"worker's profile (profile of {status['profile']})"
     ]
@@ -81,7 +98,15 @@ def render(status: dict[str, Any]) -> list[str | Table]:
         lines.append("no step yet: the first comes one interval after the gateway started")
         return lines
     table = Table(
-        "version", "pool", "ready", "starting", "desired", "limits", "latest step", "last change"
+        "version",
+        "pool",
+        "ready",
+        "starting",
+        "draining",
+        "desired",
+        "limits",
+        "latest step",
+        "last change",
     )
     failures = []
     for version in status["versions"]:
@@ -91,6 +116,7 @@ def render(status: dict[str, Any]) -> list[str | Table]:
                 pool,
                 _count(figures["ready"]),
                 _count(figures["starting"]),
+                _count(figures.get("draining")),
                 _count(figures["desired"]),
                 f"{figures['min_replicas']}-{figures['max_replicas']}",
                 _step(figures["last"]),

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from admission.controller import Admission
@@ -56,6 +56,7 @@ from gateway.serving.sse import StreamSource
 from gateway.serving.usage_records import UsageRecorder
 from telemetry.request_trace import NO_TRACE, RequestTrace
 from telemetry.tracing import Tracing
+from traffic.backlog import Backlog
 from traffic.resolver import Subject
 from traffic.windows import RequestFigures, VersionWindows
 from workers.deployments import Deployment
@@ -87,6 +88,8 @@ class ServingServices:
     """Each request's trace (an inert one while tracing is off)."""
     billing: Billing | None = None
     """The usage ledger; None when billing is switched off."""
+    backlog: Backlog = field(default_factory=Backlog)
+    """Requests waiting for their first token, per version (the planner's prefill backlog)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +229,7 @@ class RequestFlow:
         shadowed: asyncio.Future[PrimaryOutcome] | None = None
         primary: PrimaryOutput | None = None
         try:
-            with head.on_errors():
+            with head.on_errors(), s.backlog.waiting(request):
                 admission = await self._admit(caller, request, head, client_gone, trace)
                 shadowed = self._start_shadow(request)
                 primary = PrimaryOutput(request.endpoint) if shadowed is not None else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -75,13 +75,17 @@ class Router:
         deployments: Deployments,
         decider: DeciderConfig,
         kv_lease_s: float,
+        on_no_decode: Callable[[str], bool] = lambda version: False,
     ) -> None:
         """``kv_lease_s``: how long prefill workers keep KV nobody read (their connector's
-        ``kv_lease_duration``); a handle older than that is not sent to a decode worker."""
+        ``kv_lease_duration``); a handle older than that is not sent to a decode worker.
+        ``on_no_decode(version)``: a request found the version without a decode worker in
+        rotation; True when one is on its way (the planner was woken to start it)."""
         self._engine = engine
         self._deployments = deployments
         self._decider = decider
         self._kv_lease_s = kv_lease_s
+        self._on_no_decode = on_no_decode
 
     def deployment(self, request: Request) -> Deployment:
         """The deployment of the request's version; 503 once it was undeployed."""
@@ -95,9 +99,14 @@ class Router:
         return deployment
 
     def check_decode_available(self, request: Request) -> None:
-        """503 at once when the request's version has no healthy decode worker: better than
-        a long wait in the admission queue for a worker that may take minutes to come back."""
-        _pick(self.deployment(request).decode, "decode")  # the same check and error as routing's
+        """503 at once when the request's version has no decode worker in rotation: better than
+        a long wait in the admission queue for a worker that may take minutes to come back.
+        Unless the planner can start one (``on_no_decode`` says so, and was told): a pool scaled
+        to zero waits in the queue, with heartbeats, while a worker boots."""
+        deployment = self.deployment(request)
+        if deployment.decode.pick() is None and self._on_no_decode(deployment.version):
+            return
+        _pick(deployment.decode, "decode")  # the same check and error as routing's
 
     def route(self, request: Request) -> Route:
         """Pick the decode worker of the request's version, decide the path, and for a split
@@ -111,8 +120,9 @@ class Router:
             request.estimate.prompt_tokens,
             request.estimate.num_choices,
             self._decider,
-            has_prefill_pool=bool(prefill_workers),
-            prefill_healthy=any(worker.healthy for worker in prefill_workers),
+            # Workers all leaving are a pool scaled to zero, not one gone wrong.
+            has_prefill_pool=any(not worker.draining for worker in prefill_workers),
+            prefill_healthy=any(worker.in_rotation for worker in prefill_workers),
             decode_in_flight=decode_worker.num_outstanding,
         )
         prefill_worker = None
@@ -214,6 +224,9 @@ class Router:
                 attempt = _unless_worker_lost(
                     attempt, route.prefill, self._decider.kv_source_check_s
                 )
+                # A draining prefill worker is stopped only once its KV has been read.
+                with route.prefill.holding_kv():
+                    return await attempt
             return await attempt
         except EngineError as exc:
             if isinstance(exc, EngineTimeoutError) and not request.stream:

@@ -241,6 +241,7 @@ def test_check_versions_names_the_missing_or_undeployed_version() -> None:
 
 def test_public_exports() -> None:
     assert sorted(traffic.__all__) == [
+        "Backlog",
         "CompiledPolicy",
         "Pin",
         "PolicyError",
@@ -255,6 +256,7 @@ def test_public_exports() -> None:
         "Subject",
         "TrafficPolicy",
         "VersionWindows",
+        "Waiting",
         "WindowSnapshot",
         "check_versions",
         "policy_from_dict",
