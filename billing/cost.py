@@ -160,6 +160,11 @@ class CostMeter:
         with self._lock:
             self._workers[worker.worker] = _checked(worker)
 
+    def price_of(self, worker: str) -> WorkerCost | None:
+        """The price ``worker`` is measured at; None when it has none."""
+        with self._lock:
+            return self._workers.get(worker)
+
     def has_worker(self, worker: str) -> bool:
         """Whether ``worker`` has a price (``observe_busy`` refuses the others)."""
         return worker in self._workers

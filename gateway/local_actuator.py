@@ -5,10 +5,10 @@ host (``TANDEM_PLANNER=local``, the embedded default's way to autoscale).
   (worker processes and memory); past it the actuator launches what fits and refuses the rest,
   saying which limit. A launched worker counts as starting until its health check passes.
 - **Down:** the workers to remove are chosen among those this gateway launched (external ones
-  are someone else's): first any not serving yet, then the least busy. Each leaves rotation at
-  once and drains in the background (``WorkerPool.drain``): its streams finish, decode legs read
-  the KV it holds, then it stops; at ``drain_timeout_s`` what is left is cut (streams end with an
-  error event, decode legs re-run colocated). A pool shrinks only by workers that can go now.
+  are someone else's): first any not serving yet, then the least busy, then the newest. Each
+  leaves rotation at once and drains in the background (``WorkerPool.drain``): its streams
+  finish, decode legs read the KV it holds, then it stops; at ``drain_timeout_s`` what is left
+  is cut (streams end with an error event, decode legs re-run colocated).
 - **State:** a pool is its workers that are not leaving: healthy ones serve, the others start.
 - **Zero:** ``decode_coming`` tells the router whether a request that found no decode worker
   should wait in the queue: yes while one the planner launched boots, or when the pool is empty
@@ -113,12 +113,17 @@ class LocalActuator:
         budget: WorkerBudget,
         drain_timeout_s: float,
         on_drained: Callable[[str, PoolName, Drained], None] = lambda *_: None,
+        on_added: Callable[[Worker, str], None] = lambda *_: None,
     ) -> None:
+        """``on_drained(version, pool, how)``: a worker drained and stopped;
+        ``on_added(worker, sibling)``: a worker launched in the pool of worker ``sibling`` (to
+        price it alike)."""
         self._launcher = launcher
         self._deployments = deployments
         self.budget = budget
         self.drain_timeout_s = drain_timeout_s
         self._on_drained = on_drained
+        self._on_added = on_added
         self._drains: set[asyncio.Task[None]] = set()
         self._booting: set[str] = set()
         """Workers this actuator launched that have not been healthy yet."""
@@ -173,12 +178,16 @@ class LocalActuator:
 
     async def _add(self, version: str, pool: PoolName, role: WorkerRole, wanted: int) -> None:
         room = self.budget.room(self._launcher.num_managed())
+        managed = self._launcher.managed(version, role)
+        sibling = next(iter(sorted(managed)), None)
         for _ in range(min(wanted, room)):
             try:
                 worker = await self._launcher.add_worker(version, role)
             except (DeployError, OSError) as exc:
                 raise ActuatorError(f"could not launch a {pool} worker: {exc}") from exc
             self._booting.add(worker.name)
+            if sibling is not None:
+                self._on_added(worker, sibling)
             log.info("planner: launched %s for %s (%s pool)", worker.name, version, pool)
         if room < wanted:
             raise ActuatorError(
@@ -196,10 +205,12 @@ class LocalActuator:
         reason: str,
     ) -> None:
         managed = self._launcher.managed(version, role)
-        # Not serving yet first (nothing to drain), then the least busy (the shortest drain).
+        # Not serving yet first (nothing to drain), then the least busy (the shortest drain),
+        # then the newest (the oldest have the warmest prefix caches).
+        order = {worker.name: i for i, worker in enumerate(staying)}
         candidates = sorted(
             (w for w in staying if w.name in managed),
-            key=lambda w: (w.healthy, w.num_outstanding + w.num_kv_held),
+            key=lambda w: (w.healthy, w.num_outstanding + w.num_kv_held, -order[w.name]),
         )
         for worker in candidates[:count]:
             worker.draining = True  # out of rotation now, not when the task first runs

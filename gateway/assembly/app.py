@@ -364,6 +364,7 @@ async def assemble(
         access.stores,
         resources,
         launcher,
+        billing,
     )
     serving = ServingServices(
         catalog=catalog,
@@ -467,6 +468,7 @@ async def _planner(
     stores: StoreConfig,
     resources: contextlib.AsyncExitStack,
     launcher: WorkerLauncher | None,
+    billing: Billing | None,
 ) -> GatewayPlanner | None:
     """The autoscaling planner the configuration asks for, started; None when it is off."""
     if config.mode == "off":
@@ -484,6 +486,11 @@ async def _planner(
             config.drain_timeout_s,
             on_drained=lambda version, pool, drained: metrics.observe_planner_drain(
                 version, pool, clean=not (drained.cut or drained.kv_unread)
+            ),
+            # A worker the planner adds costs what its pool's others do (provisioned from its
+            # first telemetry sample until it stops).
+            on_added=lambda worker, sibling: (
+                billing.price_like(worker.name, sibling) if billing is not None else None
             ),
         )
         # Stopped after the planner (pushed later), before the supervisor stops the pools.
@@ -609,5 +616,6 @@ def _worker_status(worker: Worker) -> dict[str, Any]:
         "role": str(worker.role),
         "url": worker.base_url,
         "healthy": worker.healthy,
+        "draining": worker.draining,
         "outstanding": worker.num_outstanding,
     }

@@ -147,8 +147,11 @@ def test_a_split_and_a_pin_across_two_versions(live_stack: LiveStack, candidate:
     assert ("version.register", candidate, "e2e candidate") in actions
     assert ("deployment.create", candidate, "e2e canary") in actions
     assert ("policy.set", live_stack.model, "e2e A/B") in actions
-    # Admins, tandem up's configuration, and the rollout controller (test_rollouts.py's).
-    assert all(entry["actor"].startswith(("admin-", "config", "rollout")) for entry in entries)
+    # Admins, tandem up's configuration, the rollout controller (test_rollouts.py's) and the
+    # planner (its paused decisions; test_planner.py's).
+    assert all(
+        entry["actor"].startswith(("admin-", "config", "rollout", "planner")) for entry in entries
+    )
 
 
 def test_a_version_named_directly(live_stack: LiveStack, candidate: str) -> None:

@@ -32,3 +32,16 @@ def test_a_trickle_below_one_request_an_interval_is_no_traffic() -> None:
     step = planner.step(0, trickle)
     assert step.predicted.request_rate == 0
     assert (step.prefill.desired, step.decode.desired) == (0, 0)
+
+
+def test_a_waiting_request_wakes_a_decode_pool_at_zero_at_once() -> None:
+    # The gateway's own policy: down slowly, with a cooldown; up must still be immediate.
+    slow_down = ScalingPolicy(min_replicas=0, max_replicas=4, down_window_s=300, cooldown_s=60)
+    planner = Planner(PROFILE, Targets(1.0, 0.04, 1.0), 30.0, POLICY, slow_down, ConstantPredictor)
+    idle = planner.step(0, Observation(Load(0, 0, 0), Observed(), PoolState(0), PoolState(0)))
+    assert idle.decode.desired == 0  # without it, a pool at zero stays there
+    waiting = Load(0, 0, 0, prefill_backlog_tokens=40, waiting_requests=1)
+    step = planner.step(1, Observation(waiting, Observed(), PoolState(0), PoolState(0)))
+    assert step.predicted.waiting_requests == 1
+    assert (step.decode.current, step.decode.desired) == (0, 1)
+    assert step.prefill.desired == 1  # its prompt tokens are a prefill backlog

@@ -65,3 +65,17 @@ def test_the_trend_predictor_meets_a_ramp_and_starts_cold_without_a_trend() -> N
 def test_predictor_parameters_are_checked() -> None:
     with pytest.raises(ValueError, match="alpha"):
         TrendPredictor(alpha=0)
+
+
+def test_a_request_waiting_needs_one_decode_worker_whatever_the_rate() -> None:
+    idle = needed(Load(0, 0, 0), PROFILE, TARGETS, Observed(), 30)
+    waiting = needed(Load(0, 0, 0, waiting_requests=3), PROFILE, TARGETS, Observed(), 30)
+    assert (idle.decode, waiting.decode) == (0, 1)
+    assert waiting.prefill == 0  # no prompt tokens counted: no prefill worker for them
+    # With prompt tokens queued too, prefill is sized from them as before.
+    backlog = Load(0, 128, 0, prefill_backlog_tokens=240_000, waiting_requests=2)
+    got = needed(backlog, PROFILE, TARGETS, Observed(), 30)
+    assert (got.prefill, got.decode) == (2, 1)
+    # A load that already needs decode workers gets no extra one for its waiting requests.
+    busy = needed(Load(10, 576, 100, waiting_requests=50), PROFILE, TARGETS, Observed(), 30)
+    assert busy.decode == 5

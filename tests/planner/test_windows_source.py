@@ -1,10 +1,17 @@
-"""The planner's load read from the gateway's per-version windows."""
+"""The planner's load read from the gateway's per-version windows and backlog."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 
+from core.messages import Endpoint
+from core.models import ServedModel
+from core.prompt import TokenEstimate
+from core.request import Request
 from planner.windows_source import WindowsLoadSource
+from traffic.backlog import Backlog
 from traffic.windows import RequestFigures, VersionWindows
 
 
@@ -39,3 +46,46 @@ async def test_no_request_is_no_load_and_no_latency() -> None:
     source = WindowsLoadSource(VersionWindows(horizon_s=600, bucket_s=1, clock=Clock()))
     load, latency = await source.interval("v1", 30)
     assert load.request_rate == 0 and latency.ttft_s is None and latency.itl_s is None
+
+
+def _waiting(backlog: Backlog, version: str, *prompt_tokens: int | None) -> ExitStack:
+    """Requests of ``version`` in ``backlog`` until the returned stack closes (None: one with
+    no estimate yet)."""
+    model = ServedModel("m", 256, 0, version=version)
+    stack = ExitStack()
+    for tokens in prompt_tokens:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        request = Request.receive("r", Endpoint.CHAT, model, body)
+        if tokens is not None:
+            request.record_estimate(TokenEstimate(tokens, max_output_tokens=8, num_choices=1))
+        stack.enter_context(backlog.waiting(request))
+    return stack
+
+
+async def test_the_backlog_is_the_prefill_backlog_and_the_waiting_requests() -> None:
+    clock = Clock()
+    windows, backlog = VersionWindows(horizon_s=600, bucket_s=1, clock=clock), Backlog()
+    source = WindowsLoadSource(windows, backlog)
+    with _waiting(backlog, "v1", 300, 200, None), _waiting(backlog, "v2", 9999):
+        # No request has ended yet: the backlog alone.
+        load, latency = await source.interval("v1", 30)
+        assert (load.prefill_backlog_tokens, load.waiting_requests) == (500, 3)
+        assert load.request_rate == 0 and latency.ttft_s is None
+        for i in range(30):
+            clock.now = 1000.0 + i
+            windows.observe("v1", _ended(0.1, 500, 100))
+        # Ended requests in the window: their rate and lengths, and the backlog beside them.
+        load, _ = await source.interval("v1", 30)
+        assert load.request_rate == 1.0 and (load.input_tokens, load.output_tokens) == (500, 100)
+        assert (load.prefill_backlog_tokens, load.waiting_requests) == (500, 3)
+    load, _ = await source.interval("v1", 30)
+    assert (load.prefill_backlog_tokens, load.waiting_requests) == (0, 0)
+    assert load.request_rate == 1.0
+
+
+async def test_without_a_backlog_nothing_is_waiting() -> None:
+    clock = Clock()
+    windows = VersionWindows(horizon_s=600, bucket_s=1, clock=clock)
+    windows.observe("v1", _ended(0.1, 500, 100))
+    load, _ = await WindowsLoadSource(windows).interval("v1", 30)
+    assert (load.prefill_backlog_tokens, load.waiting_requests) == (0, 0)

@@ -1,5 +1,6 @@
 """KvUsageWatcher writes each decode worker's KV-cache usage on its record; DecodeCapacity
-counts the workers under the pool's watermark from those records."""
+counts the workers under the pool's watermark from those records, and a draining worker as the
+slots its requests still hold."""
 
 from __future__ import annotations
 
@@ -80,3 +81,37 @@ async def test_capacity_counts_healthy_workers_under_the_pools_watermark() -> No
 def test_parse_kv_usage_ignores_a_bare_name_and_other_gauges() -> None:
     assert parse_kv_usage("vllm:kv_cache_usage_perc\nvllm:kv_cache_usage_perc 0.5\n") == 0.5
     assert parse_kv_usage("vllm:kv_cache_usage_perc_max 0.9\n") is None
+
+
+def test_a_draining_worker_counts_only_the_slots_its_requests_hold() -> None:
+    pool = decode_pool("http://d0", "http://d1", kv_watermark=0.9)
+    staying, leaving = pool.workers
+    capacity = DecodeCapacity(pool, max_in_flight_per_worker=4)
+    leaving.draining = True
+    assert capacity.capacity() == 4  # idle and leaving: no slot, never its full 4
+    leaving.num_outstanding = 3
+    assert capacity.capacity() == 4 + 3  # its requests keep theirs until they end
+    leaving.num_outstanding = 6  # more than a worker's share (admitted before a restart)
+    assert capacity.capacity() == 4 + 4
+    leaving.kv_usage = 0.99  # KV-full or not, its running requests hold their slots
+    assert capacity.capacity() == 4 + 4
+    with leaving.lease():
+        assert capacity.capacity() == 4 + 4
+    leaving.num_outstanding = 1
+    assert capacity.capacity() == 4 + 1
+    staying.kv_usage = 0.95
+    assert capacity.capacity() == 0 + 1
+    staying.kv_usage, staying.healthy = None, False
+    assert capacity.capacity() == 0 + 1
+
+
+def test_a_draining_worker_counts_at_most_per_worker_even_when_healthy_with_room() -> None:
+    pool = decode_pool("http://d0", kv_watermark=0.9)
+    (worker,) = pool.workers
+    capacity = DecodeCapacity(pool, max_in_flight_per_worker=4)
+    worker.num_outstanding = 2
+    assert capacity.capacity() == 4  # in rotation: all its slots, whatever it runs
+    worker.draining = True
+    assert capacity.capacity() == 2
+    worker.num_outstanding = 0
+    assert capacity.capacity() == 0

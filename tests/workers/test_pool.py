@@ -257,3 +257,176 @@ async def test_one_slow_health_check_does_not_take_a_worker_out(tmp_path: Path) 
     assert member.worker.healthy
     pool._set_health(member, "ClientConnectorError", definitive=True)
     assert not member.worker.healthy, "a refused connection counts at once"
+
+
+# --- growing and shrinking a started pool (the planner's local actuator) -----------------------
+async def started_pool(tmp_path: Path, num_workers: int) -> WorkerPool:
+    """A started fast prefill pool of ``num_workers`` healthy fake workers."""
+    pool = WorkerPool(pool_config(tmp_path, *({} for _ in range(num_workers))))
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout_s=30)
+    except BaseException:
+        await pool.aclose()
+        raise
+    return pool
+
+
+async def test_add_launches_a_supervised_worker_that_becomes_healthy(tmp_path: Path) -> None:
+    pool = await started_pool(tmp_path, 1)
+    try:
+        added = await pool.add(fake_spec(tmp_path, "prefill-1"))
+        assert [w.name for w in pool.workers] == ["prefill-0", "prefill-1"]
+        assert added is pool.workers[1]
+        assert pool.process("prefill-1") is not None
+        await wait_for(lambda: added.healthy)  # the pool's health poller reaches it
+        info = worker_info(tmp_path, "prefill-1")
+        assert alive(info["pid"]) and alive(info["grandchild_pid"])
+        os.kill(info["pid"], signal.SIGKILL)
+        await wait_for(lambda: not added.healthy, timeout_s=10)
+        await wait_for(lambda: worker_info(tmp_path, "prefill-1")["pid"] != info["pid"])
+        await wait_for(lambda: added.healthy)
+        status = next(s for s in pool.status() if s.name == "prefill-1")
+        assert (status.num_restarts, status.last_exit_code) == (1, -signal.SIGKILL)
+        assert pool.workers[0].healthy  # the other one was never touched
+    finally:
+        await pool.aclose()
+    assert not alive(worker_info(tmp_path, "prefill-1")["pid"])  # aclose stops the added one
+
+
+async def test_add_needs_a_started_pool_a_new_name_and_the_pools_role(tmp_path: Path) -> None:
+    idle = WorkerPool(pool_config(tmp_path, {}))
+    with pytest.raises(RuntimeError, match="start"):
+        await idle.add(fake_spec(tmp_path, "prefill-1"))
+    assert idle.process("prefill-1") is None
+    assert not (tmp_path / "prefill-1.json").exists()  # nothing was launched
+
+    pool = await started_pool(tmp_path, 1)
+    try:
+        with pytest.raises(ValueError, match="prefill-0"):
+            await pool.add(fake_spec(tmp_path, "prefill-0"))  # one from the configuration
+        await pool.add(fake_spec(tmp_path, "prefill-1"))
+        with pytest.raises(ValueError, match="prefill-1"):
+            await pool.add(fake_spec(tmp_path, "prefill-1"))  # one added earlier
+        with pytest.raises(ValueError, match="decode-0"):
+            await pool.add(fake_spec(tmp_path, "decode-0"))  # a decode spec in a prefill pool
+        assert [w.name for w in pool.workers] == ["prefill-0", "prefill-1"]
+    finally:
+        await pool.aclose()
+
+
+async def test_drain_of_an_idle_worker_stops_it_and_removes_it(tmp_path: Path) -> None:
+    pool = await started_pool(tmp_path, 2)
+    try:
+        leaving, staying = pool.workers
+        info = worker_info(tmp_path, "prefill-0")
+        drained = await pool.drain("prefill-0", timeout_s=10)
+        assert (drained.name, drained.cut, drained.kv_unread) == ("prefill-0", 0, 0)
+        assert drained.waited_s < 1  # nothing to wait for
+        assert not alive(info["pid"]) and not alive(info["grandchild_pid"])
+        assert pool.workers == [staying]
+        assert pool.process("prefill-0") is None
+        assert [s.name for s in pool.status()] == ["prefill-1"]
+        assert not leaving.healthy and not leaving.in_rotation
+        assert staying.healthy and pool.pick() is staying
+    finally:
+        await pool.aclose()
+
+
+async def test_a_drained_worker_is_not_restarted(tmp_path: Path) -> None:
+    pool = await started_pool(tmp_path, 1)
+    try:
+        info = worker_info(tmp_path, "prefill-0")
+        await pool.drain("prefill-0", timeout_s=10)
+        # Well past the 0.2 s restart backoff and several health rounds.
+        await asyncio.sleep(1.0)
+        assert worker_info(tmp_path, "prefill-0")["pid"] == info["pid"]  # no new process
+        assert not alive(info["pid"])
+        assert pool.workers == [] and pool.pick() is None
+    finally:
+        await pool.aclose()
+
+
+async def test_drain_waits_for_requests_in_flight_out_of_rotation(tmp_path: Path) -> None:
+    pool = await started_pool(tmp_path, 2)
+    try:
+        leaving, staying = pool.workers
+        staying.num_outstanding = 5  # the draining one would be the least loaded
+        pid = worker_info(tmp_path, "prefill-0")["pid"]
+        with leaving.lease():
+            drain = asyncio.create_task(pool.drain("prefill-0", timeout_s=30))
+            await asyncio.sleep(0)  # the drain's first step
+            assert leaving.draining and not leaving.in_rotation
+            assert pool.pick() is staying
+            await asyncio.sleep(0.5)  # several of its polls
+            assert not drain.done()
+            assert alive(pid) and leaving in pool.workers
+            assert leaving.healthy  # still health-checked, still serving what it has
+        drained = await asyncio.wait_for(drain, timeout=10)
+        assert (drained.cut, drained.kv_unread) == (0, 0)
+        assert drained.waited_s >= 0.5
+        assert not alive(pid) and pool.workers == [staying]
+    finally:
+        await pool.aclose()
+
+
+async def test_drain_waits_for_kv_a_decode_leg_has_yet_to_read(tmp_path: Path) -> None:
+    pool = await started_pool(tmp_path, 1)
+    try:
+        (worker,) = pool.workers
+        pid = worker_info(tmp_path, "prefill-0")["pid"]
+        released = asyncio.Event()
+
+        async def decode_leg() -> None:
+            with worker.holding_kv():
+                await released.wait()
+
+        leg = asyncio.create_task(decode_leg())
+        await asyncio.sleep(0)
+        drain = asyncio.create_task(pool.drain("prefill-0", timeout_s=30))
+        await asyncio.sleep(0.5)
+        assert worker.draining and pool.pick() is None
+        assert not drain.done() and alive(pid)
+        released.set()
+        await leg
+        drained = await asyncio.wait_for(drain, timeout=10)
+        assert (drained.cut, drained.kv_unread) == (0, 0)
+        assert not alive(pid) and pool.workers == []
+    finally:
+        await pool.aclose()
+
+
+async def test_drain_past_its_deadline_stops_the_worker_and_counts_what_it_cut(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tandem.workers")
+    pool = await started_pool(tmp_path, 2)
+    try:
+        first, second = pool.workers
+        pids = [worker_info(tmp_path, f"prefill-{i}")["pid"] for i in range(2)]
+        with first.lease():
+            drained = await asyncio.wait_for(pool.drain("prefill-0", timeout_s=0.3), timeout=10)
+            assert (drained.cut, drained.kv_unread) == (1, 0)
+            assert 0.3 <= drained.waited_s < 2
+            assert not alive(pids[0])  # stopped while its request still ran
+        with second.holding_kv():
+            drained = await asyncio.wait_for(pool.drain("prefill-1", timeout_s=0.3), timeout=10)
+            assert (drained.cut, drained.kv_unread) == (0, 1)
+            assert not alive(pids[1])
+        assert pool.workers == []
+    finally:
+        await pool.aclose()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("prefill-0 stopped after" in m and "1 requests in flight" in m for m in warnings)
+    assert any("prefill-1 stopped after" in m and "1 KV reads pending" in m for m in warnings)
+
+
+async def test_drain_refuses_an_unknown_or_external_worker(tmp_path: Path) -> None:
+    pool = WorkerPool(replace(pool_config(tmp_path, {}), external_urls=("http://127.0.0.1:9",)))
+    managed, external = pool.workers
+    with pytest.raises(ValueError, match="prefill-9"):
+        await pool.drain("prefill-9", timeout_s=1)
+    with pytest.raises(ValueError, match="prefill-ext-0"):
+        await pool.drain("prefill-ext-0", timeout_s=1)
+    assert pool.workers == [managed, external]
+    assert not external.draining and not managed.draining

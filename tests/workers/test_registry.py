@@ -116,3 +116,69 @@ def test_pick_by_affinity_is_unchanged_by_kv_usage() -> None:
     assert preferred is not None
     preferred.kv_usage = 1.0  # prefill usage is not polled; were it set, affinity ignores it
     assert pick_by_affinity(pool, "k", 2) is preferred
+
+
+# --- draining: a leaving worker takes nothing new -----------------------------------------------
+def test_in_rotation_is_healthy_and_not_draining() -> None:
+    (worker,) = workers(0)
+    assert worker.in_rotation
+    worker.draining = True
+    assert not worker.in_rotation
+    worker.draining, worker.healthy = False, False
+    assert not worker.in_rotation
+
+
+def test_busy_counts_requests_in_flight_and_kv_still_to_read() -> None:
+    (worker,) = workers(0)
+    assert not worker.busy
+    with worker.lease():
+        assert worker.busy
+    assert not worker.busy
+    with worker.holding_kv():
+        assert worker.busy
+    assert not worker.busy
+
+
+def test_holding_kv_counts_nested_legs_and_releases_on_an_exception() -> None:
+    (worker,) = workers(0)
+    with worker.holding_kv() as held, worker.holding_kv():
+        assert held is worker
+        assert worker.num_kv_held == 2
+        assert worker.num_outstanding == 0  # a KV read is no request in flight
+    assert worker.num_kv_held == 0
+    with pytest.raises(RuntimeError), worker.holding_kv():
+        raise RuntimeError("the decode leg failed")
+    assert worker.num_kv_held == 0
+
+
+def test_least_loaded_never_picks_a_draining_worker() -> None:
+    idle, busy = workers(0, 5)
+    idle.draining = True
+    assert least_loaded([idle, busy]) is busy
+    assert least_loaded([idle, busy], kv_watermark=0.9) is busy
+    busy.kv_usage = 0.99  # KV-full: still preferred over the draining one with room
+    assert least_loaded([idle, busy], kv_watermark=0.9) is busy
+    busy.draining = True
+    assert least_loaded([idle, busy]) is None
+    assert least_loaded([idle, busy], kv_watermark=0.9) is None
+
+
+def test_pick_by_affinity_moves_a_draining_workers_keys_and_only_those() -> None:
+    pool = workers(0, 0, 0)
+    before = {f"k{i}": pick_by_affinity(pool, f"k{i}", 2) for i in range(40)}
+    assert any(worker is pool[0] for worker in before.values())  # it is some keys' preferred
+    pool[0].draining = True
+    pool[1].num_outstanding = 1  # the draining one stays the least loaded
+    after = {key: pick_by_affinity(pool, key, 2) for key in before}
+    assert all(worker is not None and worker is not pool[0] for worker in after.values())
+    assert all(after[key] is before[key] for key in before if before[key] is not pool[0])
+
+
+def test_pick_by_affinity_is_none_when_every_healthy_worker_is_draining() -> None:
+    pool = workers(0, 0)
+    for worker in pool:
+        worker.draining = True
+    assert pick_by_affinity(pool, "k", 2) is None
+    pool[1].draining = False
+    pool[1].healthy = False  # the one not draining is down
+    assert pick_by_affinity(pool, "k", 2) is None

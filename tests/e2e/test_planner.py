@@ -1,0 +1,185 @@
+"""Issue 23 on the real stack: the planner's local actuator adds a prefill worker for a burst
+of long prompts and drains it when the burst ends, with no failed request either way.
+
+The stack runs the planner paused (``tests/e2e/conftest.py``: prefill 1 to 2 workers, decode 1,
+3 s steps, a 20 s down-window); this test resumes it and pauses it again. The new worker is a
+real vLLM process, booted while the burst runs: on a 2-core host that takes minutes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.e2e.conftest import LiveStack
+from tests.e2e.test_disaggregation import prompt_tokens_by_source
+
+pytestmark = pytest.mark.e2e
+
+SCALE_UP_TIMEOUT_S = 480.0
+"""A vLLM boot on a busy 2-core host, after the planner's first steps see the burst."""
+SCALE_DOWN_TIMEOUT_S = 180.0
+"""The 20 s down-window, the 10 s cooldown, the drain and the worker's shutdown."""
+CLIENTS = 4
+
+
+@dataclass
+class Burst:
+    """Clients sending long, never-repeated prompts (no prefix cache helps) until stopped."""
+
+    stack: LiveStack
+    stop: threading.Event = field(default_factory=threading.Event)
+    completed: int = 0
+    failures: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> None:
+        client = openai.OpenAI(
+            base_url=f"{self.stack.base_url}/v1", api_key=self.stack.api_key, max_retries=0,
+            timeout=300,
+        )  # fmt: skip
+        while not self.stop.is_set():
+            # ~550 tokens (18 x 30), ids first: prefix affinity spreads them over the workers.
+            words = " ".join(uuid.uuid4().hex for _ in range(18))
+            try:
+                stream = client.chat.completions.create(
+                    model=self.stack.model,
+                    messages=[{"role": "user", "content": f"{words} Count these."}],
+                    max_tokens=4,
+                    stream=True,
+                )
+                finish = [c.choices[0].finish_reason for c in stream if c.choices]
+                if finish[-1] not in ("length", "stop"):
+                    raise AssertionError(f"finish reason {finish[-1]!r}")
+            except Exception as exc:  # every failure is the test's business
+                with self.lock:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+                continue
+            with self.lock:
+                self.completed += 1
+
+
+@pytest.fixture
+def resumed(live_stack: LiveStack) -> Iterator[None]:
+    with live_stack.admin as admin:
+        answer = admin.post("/admin/v1/planner/resume", json={"reason": "e2e burst"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["paused"] is False
+    try:
+        yield
+    finally:
+        with live_stack.admin as admin:
+            admin.post("/admin/v1/planner/pause", json={"reason": "e2e burst done"})
+
+
+def test_a_burst_of_long_prompts_adds_a_prefill_worker_and_its_end_drains_it(
+    live_stack: LiveStack, resumed: None
+) -> None:
+    assert _prefill_workers(live_stack) == [("prefill-0", True, False)]
+    burst = Burst(live_stack)
+    threads = [threading.Thread(target=burst.run, daemon=True) for _ in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    try:
+        # The planner sees the backlog and the rate, asks for a second prefill worker, and the
+        # local actuator launches one; it serves once vLLM has booted.
+        added = _wait_for(
+            lambda: _serving_new_prefill(live_stack), SCALE_UP_TIMEOUT_S, live_stack,
+            "a second prefill worker serving",
+        )  # fmt: skip
+        pid = _worker_pid(live_stack.pid, added["url"])
+        before = prompt_tokens_by_source(added["url"]).get("local_compute", 0.0)
+        # Long enough for the new worker to take its share of the prompts.
+        time.sleep(20)
+        took = prompt_tokens_by_source(added["url"]).get("local_compute", 0.0) - before
+    finally:
+        burst.stop.set()
+        for thread in threads:
+            thread.join(timeout=300)
+    assert took > 0, "the new prefill worker computed no prompt"
+
+    # The burst is over: after the down-window the planner drains the worker it added.
+    _wait_for(
+        lambda: _prefill_workers(live_stack) == [("prefill-0", True, False)],
+        SCALE_DOWN_TIMEOUT_S, live_stack, "the prefill pool back to prefill-0 alone",
+    )  # fmt: skip
+    assert not _alive(pid), f"the drained worker's process {pid} is still running"
+
+    assert burst.failures == [], burst.failures[:5]
+    assert burst.completed > CLIENTS
+    status = _status(live_stack)
+    [version] = [v for v in status["versions"] if v["version"] == live_stack.version]
+    changes = [(d["current"], d["desired"]) for d in version["pools"]["prefill"]["decisions"]]
+    assert (1, 2) in changes and (2, 1) in changes, changes
+    with live_stack.admin as admin:
+        entries = admin.get("/admin/v1/audit", params={"alias": live_stack.model}).json()["data"]
+    scaled = [
+        (e["before"]["replicas"], e["after"]["replicas"])
+        for e in entries
+        if e["action"] == "pool.scale" and e["actor"] == "planner"
+        and e["before"]["pool"] == "prefill" and not e["after"]["dry_run"]
+    ]  # fmt: skip
+    assert (1, 2) in scaled and (2, 1) in scaled, scaled
+    metrics = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
+    assert 'pool="prefill",outcome="clean"} 1.0' in metrics, metrics
+
+
+def _status(stack: LiveStack) -> dict[str, Any]:
+    with stack.admin as admin:
+        return dict(admin.get("/admin/v1/planner").json())
+
+
+def _workers(stack: LiveStack) -> list[dict[str, Any]]:
+    return list(httpx.get(f"{stack.base_url}/ready", timeout=10).json()["workers"])
+
+
+def _prefill_workers(stack: LiveStack) -> list[tuple[str, bool, bool]]:
+    return [
+        (w["name"], w["healthy"], w["draining"]) for w in _workers(stack) if w["role"] == "prefill"
+    ]
+
+
+def _serving_new_prefill(stack: LiveStack) -> dict[str, Any] | None:
+    for worker in _workers(stack):
+        if worker["role"] == "prefill" and worker["name"] != "prefill-0" and worker["healthy"]:
+            return worker
+    return None
+
+
+def _wait_for(check: Any, timeout_s: float, stack: LiveStack, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(1)
+    pytest.fail(f"no {what} within {timeout_s:.0f} s; planner: {_status(stack)}")
+
+
+def _worker_pid(tandem_pid: int, url: str) -> int:
+    """The pid of the vLLM server ``tandem up`` launched on ``url``'s port."""
+    port = url.rsplit(":", 1)[1]
+    for child in psutil.Process(tandem_pid).children(recursive=True):
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        if "--port" in argv and argv[argv.index("--port") + 1] == port:
+            return child.pid
+    raise AssertionError(f"no worker process listens on port {port}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
