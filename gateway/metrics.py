@@ -275,8 +275,8 @@ class GatewayMetrics:
         self._planner_drains = Counter(
             "tandem_planner_drains",
             "Workers the local actuator drained and stopped, by version, pool and outcome "
-            "(clean: nothing was running; deadline: streams cut or KV reads pending at the "
-            "drain deadline).",
+            "(clean: all it ran ended before the drain deadline; deadline: streams were cut or "
+            "KV reads still pending at it).",
             ("version", "pool", "outcome"),
             registry=self.registry,
         )

@@ -216,15 +216,20 @@ class GatewayPlanner:
     def resume(self) -> None:
         self._actuator.paused = False
 
-    def wake(self, version: str) -> bool:
-        """A request found ``version`` without a decode worker: True when one is on its way
-        (the next pass runs now to start it if need be), so the request may wait for it."""
-        if (
+    def can_wake(self, version: str) -> bool:
+        """Whether a decode worker of ``version`` is on its way, or would be started for a
+        request (a pool the planner scaled to zero)."""
+        return not (
             self.paused
             or self._decode_coming is None
             or self.config.decode.max_replicas == 0
             or not self._decode_coming(version)
-        ):
+        )
+
+    def wake(self, version: str) -> bool:
+        """A request found ``version`` without a decode worker: True when one is on its way
+        (the next pass runs now to start it if need be), so the request may wait for it."""
+        if not self.can_wake(version):
             return False
         self._woken.set()
         return True
@@ -396,7 +401,7 @@ class GatewayPlanner:
             policy = self.config.prefill if pool == "prefill" else self.config.decode
             steps = [done for done in history if done.pool == pool]
             seen = self._actuator.seen.get((version, pool))
-            changes = [done for done in reversed(steps) if done.decision.changes]
+            changes = [done for done in reversed(planned.controller.changes) if done.pool == pool]
             pools[pool] = {
                 "ready": None if seen is None else seen.ready,
                 "starting": None if seen is None else seen.starting,

@@ -5,8 +5,10 @@ simulator drives ``loop.Planner`` directly).
 
 A failure to read the load or the pools skips the step (no decision on no evidence;
 ``last_error`` says why until a step succeeds); an actuator that refuses leaves the pool as it
-is and the next step asks again. Every decision is kept (``history``) with its reason, for
-``tandem planner status``, ``/metrics`` and the audit log.
+is and the next step asks again. The latest steps are kept (``history``), and apart from them the
+latest changes (``changes``: a dry run's or a paused planner's change asked again step after
+step is kept once), each with its reason, for ``tandem planner status``, ``/metrics`` and the
+audit log.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class PlannerController:
         actuator: Actuator,
         clock: Callable[[], float],
         history: int = 200,
+        changes: int = 50,
     ) -> None:
         self.version = version
         self._planner = planner
@@ -61,6 +64,8 @@ class PlannerController:
         self._actuator = actuator
         self._clock = clock
         self.history: deque[Applied] = deque(maxlen=history)
+        self.changes: deque[Applied] = deque(maxlen=changes)
+        """Decisions that changed a pool's size (or would have), oldest first."""
         self.last_error: str | None = None
         """Why the latest step was skipped (the load or the pools unreadable); None after a
         step that was taken."""
@@ -83,7 +88,19 @@ class PlannerController:
             await self._apply(now, "decode", step.decode),
         ]
         self.history.extend(applied)
+        for done in applied:
+            if done.decision.changes and not self._repeats(done):
+                self.changes.append(done)
         return applied
+
+    def _repeats(self, done: Applied) -> bool:
+        """Whether ``done`` asks what the pool's latest change asked, with the same outcome."""
+        last = next((c for c in reversed(self.changes) if c.pool == done.pool), None)
+        return last is not None and (last.decision.current, last.decision.desired, last.error) == (
+            done.decision.current,
+            done.decision.desired,
+            done.error,
+        )
 
     async def _apply(self, now: float, pool: PoolName, decision: Decision) -> Applied:
         if not decision.changes:

@@ -3,7 +3,9 @@ backlog (``traffic.backlog``): the embedded default, as the rollout gates' ``Win
 is. With several gateways it sees one replica's share; a Prometheus source over every replica
 is the multi-gateway one (to come).
 
-Rate = requests that ended in the window / the window; lengths are means per request; TTFT and
+Rate = requests that ended in the window / the seconds its whole buckets cover (a window of one
+interval is rounded out to bucket edges: over the interval alone, a bucket's requests would
+count as if they had all come within it); lengths are means per request; TTFT and
 ITL are the window's means (the profile's correction works on means, as Dynamo's does). The
 prefill backlog is the prompt tokens of the requests waiting for their first token now.
 """
@@ -27,7 +29,7 @@ class WindowsLoadSource:
         if not count:
             return Load(0.0, 0.0, 0.0, waiting.prompt_tokens, waiting.requests), Observed()
         load = Load(
-            count / snapshot.window_s,
+            count / (snapshot.covered_s or snapshot.window_s),
             snapshot.input_tokens / count,
             snapshot.output_tokens / count,
             waiting.prompt_tokens,

@@ -87,6 +87,7 @@ class WindowSnapshot:
 
     version: str
     window_s: float
+    """The window asked for; its figures cover ``covered_s``."""
     num_requests: int
     num_errors: int
     errors: dict[str, int]
@@ -103,6 +104,9 @@ class WindowSnapshot:
     shadow: bool = False
     input_tokens: int = 0
     """Prompt tokens of the requests in the window."""
+    covered_s: float | None = None
+    """The seconds its whole buckets span (``window_s`` rounded out to bucket edges, up to
+    now): a rate is a count over this, not over ``window_s``. None: not known."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able."""
@@ -268,6 +272,7 @@ class VersionWindows:
             finish_reasons=_merge(bucket.finish_reasons for bucket in buckets),
             moderation=_merge(bucket.moderation for bucket in buckets),
             shadow=shadow,
+            covered_s=now - self._first_index(now, window_s) * self.bucket_s,
         )
 
     def samples(

@@ -248,13 +248,19 @@ def create_app(
         return Response(body, media_type=content_type)
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(http_request: Request) -> JSONResponse:
         """Readiness: every deployed version could serve a request now (a healthy decode
-        worker, and a healthy prefill worker where it has a prefill pool)."""
-        is_ready = len(deployments) > 0 and all(d.healthy for d in deployments)
+        worker, and a healthy prefill worker where it has a prefill pool), or has its decode
+        pool scaled to zero by the planner, which starts a worker for the first request."""
+        planner = getattr(http_request.state, _OPS).admin.planner
+        serving = {
+            d.version: d.healthy or (planner is not None and planner.can_wake(d.version))
+            for d in deployments
+        }
+        is_ready = len(deployments) > 0 and all(serving.values())
         body = {
             "status": "ready" if is_ready else "not_ready",
-            "versions": {d.version: d.healthy for d in deployments},
+            "versions": serving,
             "workers": [_worker_status(worker) for worker in deployments.workers()],
         }
         return JSONResponse(body, status_code=200 if is_ready else 503)

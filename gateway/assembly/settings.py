@@ -77,6 +77,11 @@ class TandemSettings(BaseSettings):
     worker_extra_args: str = ""
     """Further vLLM flags for every managed worker, split like a shell line and appended
     last (e.g. ``--num-gpu-blocks-override 9`` to make KV scarce and see preemptions)."""
+    worker_command: str = ""
+    """The program a managed worker runs, split like a shell line; it gets vLLM's OpenAI
+    server flags. Empty: vLLM's server (``python -m vllm.entrypoints.openai.api_server``). A
+    wrapper of it (a profiler, a patched build) goes here; so does the fast test tier's fake
+    engine."""
     default_max_tokens: int = Field(1024, ge=0)
     """Output cap of a chat request that sets no ``max_tokens`` (a plan's ``max_output_tokens``
     wins), listed in ``/v1/models``; 0 = none, up to the context window as OpenAI's API."""

@@ -390,6 +390,7 @@ class Supervisor:
             connector=connector_config(settings),
             otlp_traces_endpoint=self._tracing.traces_endpoint,
             otlp_traces_protocol=self._tracing.protocol,
+            command=tuple(shlex.split(settings.worker_command)) or None,
             extra_args=(
                 *shlex.split(settings.worker_extra_args),
                 *_version_args(version, settings.worker_extra_args),

@@ -130,7 +130,7 @@ def test_a_burst_of_long_prompts_adds_a_prefill_worker_and_its_end_drains_it(
     ]  # fmt: skip
     assert (1, 2) in scaled and (2, 1) in scaled, scaled
     metrics = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
-    assert 'pool="prefill",outcome="clean"} 1.0' in metrics, metrics
+    assert 'tandem_planner_drains_total{outcome="clean",pool="prefill"' in metrics, metrics
 
 
 def _status(stack: LiveStack) -> dict[str, Any]:

