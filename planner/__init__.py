@@ -13,12 +13,12 @@ Pure decisions first, I/O at the edges:
   the simulator (``bench/planner/sim.py``) and the controller run.
 - ``actuate``: the ``Actuator`` interface and the dry run; ``controller``: one version's
   planner at work (read the load, step, carry out, keep the history); ``windows_source``: the
-  load from the gateway's per-version windows. ``tandem profile`` (``bench/profile.py``)
+  load from the gateway's per-version windows and backlog. ``tandem profile`` (``bench/profile.py``)
   measures a worker into a ``profile.Profile`` file.
 
 The gateway runs a controller per deployed version (``gateway/planning.py``: settings, the
-``planner`` lease on Kubernetes, status, metrics, audit; ``tandem planner status``).
+``planner`` lease on Kubernetes, status, metrics, audit, pause, wake; ``tandem planner status``)
+and the local actuator that starts and drains its own workers (``gateway/local_actuator.py``).
 
-Not built yet (the issue says what): a Prometheus load source over every gateway replica, the
-prefill backlog, and the local actuator with draining (``tandem up``'s own workers).
+Not built yet: a Prometheus load source over every gateway replica, a profile per version.
 """

@@ -1,6 +1,7 @@
 """Where scaling decisions are carried out: an ``Actuator`` per deployment target.
 
-- local (to come): starts and drains vLLM worker processes through the gateway's supervisor;
+- local: starts and drains ``tandem up``'s vLLM worker processes through the gateway's
+  supervisor (``gateway/local_actuator.py``: it needs the gateway's workers, so it lives there);
 - ``kubernetes``: patches the ``scale`` subresource of a version's prefill and decode
   Deployments (``planner/kubernetes.py``);
 - ``DryRunActuator``: carries nothing out; it keeps the latest decisions, for the logs and

@@ -142,6 +142,7 @@ class _Member:
     last_health_error: str = "not checked yet"
     num_health_failures: int = 0  # consecutive
     supervisor: asyncio.Task[None] | None = None
+    leaving: bool = False  # a drain of it has begun
 
 
 class WorkerPool:
@@ -254,8 +255,12 @@ class WorkerPool:
             self.config.restart_backoff_initial_s,
             time.monotonic(),
         )
-        await process.start()
-        self._members.append(m)
+        self._members.append(m)  # before the await: a concurrent add sees the name taken
+        try:
+            await process.start()
+        except BaseException:
+            self._members.remove(m)
+            raise
         m.supervisor = self._spawn(self._supervise(m, process), f"supervise {spec.name}")
         logger.info("%s started (%s)", spec.name, spec.base_url)
         return m.worker
@@ -271,6 +276,9 @@ class WorkerPool:
         m = next((m for m in self._members if m.worker.name == name), None)
         if m is None or m.process is None:
             raise ValueError(f"{name} is not a managed worker of this pool")
+        if m.leaving:
+            raise ValueError(f"{name} is being drained already")
+        m.leaving = True
         worker = m.worker
         worker.draining = True
         started = time.monotonic()

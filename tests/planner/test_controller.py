@@ -58,3 +58,19 @@ async def test_no_reading_no_step_and_a_refusal_is_kept_with_its_reason() -> Non
     assert prefill.decision.desired == 4 and prefill.error == "deployment of prefill is locked"
     assert decode.decision.desired == 10 and decode.error is not None
     assert await actuator.state(VERSION, "decode") == PoolState(5)  # unchanged
+
+
+async def test_changes_are_kept_apart_from_steps_and_a_change_asked_again_once() -> None:
+    # A dry run: the pools never move, so each step asks for the same change again.
+    actuator = DryRunActuator({(VERSION, "prefill"): 1, (VERSION, "decode"): 1})
+    load = Load(10, 576, 100)
+    controller = _controller(Readings(*[load] * 3, Load(20, 576, 100)), actuator)
+    for _ in range(4):
+        await controller.run_once()
+    assert len(controller.history) == 8  # every pool's every step
+    assert [(c.pool, c.decision.current, c.decision.desired) for c in controller.changes] == [
+        ("prefill", 1, 2),
+        ("decode", 1, 5),
+        ("prefill", 1, 4),  # another change: kept
+        ("decode", 1, 10),
+    ]

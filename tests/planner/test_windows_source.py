@@ -89,3 +89,17 @@ async def test_without_a_backlog_nothing_is_waiting() -> None:
     windows.observe("v1", _ended(0.1, 500, 100))
     load, _ = await WindowsLoadSource(windows).interval("v1", 30)
     assert (load.prefill_backlog_tokens, load.waiting_requests) == (0, 0)
+
+
+async def test_an_interval_shorter_than_a_bucket_reads_the_rate_the_bucket_saw() -> None:
+    # One request a second into 10 s buckets; the planner asks for the last 3 s. The bucket
+    # it reads holds 10 requests over 9.5 s, not 10 requests in 3 s (3.3 a second).
+    clock = Clock()
+    windows = VersionWindows(horizon_s=600, bucket_s=10, clock=clock)
+    for i in range(20):
+        clock.now = 1000.0 + i
+        windows.observe("v1", _ended(0.1, 500, 100))
+    clock.now = 1019.5
+    assert windows.snapshot("v1", 3).covered_s == pytest.approx(9.5)
+    load, _ = await WindowsLoadSource(windows).interval("v1", 3)
+    assert load.request_rate == pytest.approx(10 / 9.5)
