@@ -3,11 +3,15 @@ of long prompts and drains it when the burst ends, with no failed request either
 
 The stack runs the planner paused (``tests/e2e/conftest.py``: prefill 1 to 2 workers, decode 1,
 3 s steps, a 20 s down-window); this test resumes it and pauses it again. The new worker is a
-real vLLM process, booted while the burst runs: on a 2-core host that takes minutes.
+real vLLM process. On a 2-core host a third vLLM worker hardly boots while the burst keeps the
+other two busy (its process, pinned to a core a busy worker holds, got ~2 % of it for minutes),
+so once the planner has launched it the test pauses the planner (an operator's hold: nothing is
+changed meanwhile), stops the burst until the worker serves, then resumes both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -25,8 +29,10 @@ from tests.e2e.test_disaggregation import prompt_tokens_by_source
 
 pytestmark = pytest.mark.e2e
 
-SCALE_UP_TIMEOUT_S = 480.0
-"""A vLLM boot on a busy 2-core host, after the planner's first steps see the burst."""
+LAUNCH_TIMEOUT_S = 60.0
+"""The planner's first steps over the burst (3 s apart)."""
+BOOT_TIMEOUT_S = 420.0
+"""A vLLM boot on an idle 2-core host: ~1-3 min."""
 SCALE_DOWN_TIMEOUT_S = 180.0
 """The 20 s down-window, the 10 s cooldown, the drain and the worker's shutdown."""
 CLIENTS = 4
@@ -86,31 +92,34 @@ def test_a_burst_of_long_prompts_adds_a_prefill_worker_and_its_end_drains_it(
 ) -> None:
     assert _prefill_workers(live_stack) == [("prefill-0", True, False)]
     burst = Burst(live_stack)
-    threads = [threading.Thread(target=burst.run, daemon=True) for _ in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    try:
-        # The planner sees the backlog and the rate, asks for a second prefill worker, and the
-        # local actuator launches one; it serves once vLLM has booted.
-        added = _wait_for(
-            lambda: _serving_new_prefill(live_stack), SCALE_UP_TIMEOUT_S, live_stack,
-            "a second prefill worker serving",
+    with _bursting(burst):
+        # The planner sees the backlog and the rate and asks for a second prefill worker; the
+        # local actuator launches one.
+        _wait_for(
+            lambda: len(_prefill_workers(live_stack)) == 2, LAUNCH_TIMEOUT_S, live_stack,
+            "second prefill worker launched",
         )  # fmt: skip
-        pid = _worker_pid(live_stack.pid, added["url"])
+        _planner(live_stack, "pause", "let the new worker boot on idle cores")
+    added = _wait_for(
+        lambda: _serving_new_prefill(live_stack), BOOT_TIMEOUT_S, live_stack,
+        "second prefill worker serving",
+    )  # fmt: skip
+    pid = _worker_pid(live_stack.pid, added["url"])
+    burst = Burst(live_stack, failures=burst.failures, completed=burst.completed)
+    with _bursting(burst):
+        # Resumed once its steps have seen the burst again: a resumed planner whose last
+        # down-window held only the idle boot would drain the new worker at once.
+        time.sleep(9)
+        _planner(live_stack, "resume", "the burst goes on")
         before = prompt_tokens_by_source(added["url"]).get("local_compute", 0.0)
-        # Long enough for the new worker to take its share of the prompts.
-        time.sleep(20)
+        time.sleep(20)  # the new worker takes its share of the prompts
         took = prompt_tokens_by_source(added["url"]).get("local_compute", 0.0) - before
-    finally:
-        burst.stop.set()
-        for thread in threads:
-            thread.join(timeout=300)
     assert took > 0, "the new prefill worker computed no prompt"
 
     # The burst is over: after the down-window the planner drains the worker it added.
     _wait_for(
         lambda: _prefill_workers(live_stack) == [("prefill-0", True, False)],
-        SCALE_DOWN_TIMEOUT_S, live_stack, "the prefill pool back to prefill-0 alone",
+        SCALE_DOWN_TIMEOUT_S, live_stack, "prefill pool back to prefill-0 alone",
     )  # fmt: skip
     assert not _alive(pid), f"the drained worker's process {pid} is still running"
 
@@ -131,6 +140,25 @@ def test_a_burst_of_long_prompts_adds_a_prefill_worker_and_its_end_drains_it(
     assert (1, 2) in scaled and (2, 1) in scaled, scaled
     metrics = httpx.get(f"{live_stack.base_url}/metrics", timeout=10).text
     assert 'tandem_planner_drains_total{outcome="clean",pool="prefill"' in metrics, metrics
+
+
+@contextlib.contextmanager
+def _bursting(burst: Burst) -> Iterator[None]:
+    threads = [threading.Thread(target=burst.run, daemon=True) for _ in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        burst.stop.set()
+        for thread in threads:
+            thread.join(timeout=300)
+
+
+def _planner(stack: LiveStack, verb: str, reason: str) -> None:
+    with stack.admin as admin:
+        answer = admin.post(f"/admin/v1/planner/{verb}", json={"reason": reason})
+    assert answer.status_code == 200, answer.text
 
 
 def _status(stack: LiveStack) -> dict[str, Any]:
