@@ -145,8 +145,9 @@ class _Version:
 
     alias: str
     controller: PlannerController
-    recorded: dict[PoolName, tuple[int, int]] = field(default_factory=dict)
-    """Per pool, the change last counted and audited (current, desired), until reached."""
+    recorded: dict[PoolName, tuple[int, int, bool]] = field(default_factory=dict)
+    """Per pool, the change last counted and audited (current, desired, while paused), until
+    reached."""
     failure: str | None = None
     """Why its latest step failed; None after one that did not."""
 
@@ -325,8 +326,12 @@ class GatewayPlanner:
                 recorded = None
             if done.error is not None:
                 refused.append(f"{done.pool}: {done.error}")
-            elif decision.changes and recorded != (decision.current, decision.desired):
-                planned.recorded[done.pool] = (decision.current, decision.desired)
+            elif decision.changes and recorded != (
+                decision.current,
+                decision.desired,
+                self.paused,
+            ):  # a change held while paused and carried out once resumed is recorded again
+                planned.recorded[done.pool] = (decision.current, decision.desired, self.paused)
                 direction = "up" if decision.desired > decision.current else "down"
                 self._metrics.observe_planner_decision(version, done.pool, direction)
                 await self._audit(version, planned.alias, done)

@@ -202,11 +202,12 @@ class Supervisor:
                 ),
                 prefix,
             )
-            self._launches[model.version_name] = _Launches(
-                {WorkerRole.PREFILL: launch, WorkerRole.DECODE: decode_launch},
-                prefix,
-                {WorkerRole.PREFILL: spec.num_prefill, WorkerRole.DECODE: spec.num_decode},
-            )
+            if spec.num_prefill + spec.num_decode:  # external-only: someone else's to size
+                self._launches[model.version_name] = _Launches(
+                    {WorkerRole.PREFILL: launch, WorkerRole.DECODE: decode_launch},
+                    prefix,
+                    {WorkerRole.PREFILL: spec.num_prefill, WorkerRole.DECODE: spec.num_decode},
+                )
         self._binds[model.version_name] = {
             worker.name: worker.cpu_bind for worker in (*prefill_specs, *decode_specs)
         }

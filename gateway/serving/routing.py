@@ -104,9 +104,8 @@ class Router:
         Unless the planner can start one (``on_no_decode`` says so, and was told): a pool scaled
         to zero waits in the queue, with heartbeats, while a worker boots."""
         deployment = self.deployment(request)
-        if deployment.decode.pick() is None and self._on_no_decode(deployment.version):
-            return
-        _pick(deployment.decode, "decode")  # the same check and error as routing's
+        if deployment.decode.pick() is None and not self._on_no_decode(deployment.version):
+            raise _no_worker("decode")  # the same error as routing's
 
     def route(self, request: Request) -> Route:
         """Pick the decode worker of the request's version, decide the path, and for a split
@@ -297,11 +296,15 @@ def answer_usage(answer: dict[str, Any]) -> Usage | None:
 def _pick(pool: WorkerSource, role: str) -> Worker:
     worker = pool.pick()
     if worker is None:
-        raise NoHealthyWorkerError(
-            f"No healthy {role} worker is available; retry shortly.",
-            retry_after_s=_NO_WORKER_RETRY_AFTER_S,
-        )
+        raise _no_worker(role)
     return worker
+
+
+def _no_worker(role: str) -> NoHealthyWorkerError:
+    return NoHealthyWorkerError(
+        f"No healthy {role} worker is available; retry shortly.",
+        retry_after_s=_NO_WORKER_RETRY_AFTER_S,
+    )
 
 
 class KvSourceLostError(EngineError):

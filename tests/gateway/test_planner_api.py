@@ -36,10 +36,14 @@ async def planned_stack() -> AsyncIterator[FakeStack]:
 
 
 def decided(status: dict[str, Any], times: int = 1) -> bool:
-    """Whether the planner changed the decode pool (in a dry run: would have) at ``times``
-    steps or more."""
+    """Whether the planner changed the decode pool (in a dry run: would have), and has stepped
+    ``times`` intervals or more since its first change (a change asked again is listed once)."""
     versions = status["versions"]
-    return bool(versions) and len(versions[0]["pools"]["decode"]["decisions"]) >= times
+    if not versions or not versions[0]["pools"]["decode"]["decisions"]:
+        return False
+    pool = versions[0]["pools"]["decode"]
+    since_s = pool["last"]["at"] - pool["decisions"][-1]["at"]
+    return since_s >= (times - 1) * status["interval_s"] * 0.99
 
 
 async def traffic_until(

@@ -5,6 +5,7 @@ without a worker profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,9 +150,8 @@ async def test_a_change_is_recorded_once_until_the_pool_reaches_it(tmp_path: Pat
     pool = version["pools"]["decode"]
     assert (pool["ready"], pool["starting"], pool["desired"]) == (1, 1, 7)
     assert (pool["min_replicas"], pool["max_replicas"]) == (1, 8)
-    assert [(d["current"], d["desired"], d["error"]) for d in pool["decisions"]] == [
-        (2, 7, None)
-    ] * 3
+    # Asked three times, one change (the steps are in "last").
+    assert [(d["current"], d["desired"], d["error"]) for d in pool["decisions"]] == [(2, 7, None)]
     assert _sample(metrics, "tandem_planner_current_replicas", version=V1, pool="decode") == 2
 
     decode.resize(7)  # the pool got there: the same change later is a new one
@@ -164,6 +164,37 @@ async def test_a_change_is_recorded_once_until_the_pool_reaches_it(tmp_path: Pat
     await planner.run_once()
     assert planner.status()["versions"] == []
     assert _sample(metrics, "tandem_planner_desired_replicas", version=V1, pool="decode") is None
+    await store.aclose()
+
+
+async def test_a_change_held_while_paused_is_recorded_again_when_carried_out(
+    tmp_path: Path,
+) -> None:
+    prefill, decode = _pools(2, 7)
+    deployments = _deployed(prefill, decode)
+    store = SqliteVersionStore(tmp_path / "versions.db")
+    await store.start()
+    actuator = dry_run_actuator(deployments)  # the pools stay as they are
+    config = dataclasses.replace(_config(mode="local"), paused=True)
+    planner = GatewayPlanner(
+        config, deployments, Script(then=Load(30, 128, 10)), actuator, GatewayMetrics([]),
+        audit_store=store,
+    )  # fmt: skip
+    await planner.run_once()
+    await planner.run_once()
+    assert list(actuator.requested) == []  # paused: nothing asked of the actuator
+    planner.resume()
+    await planner.run_once()
+    assert [r.pool for r in actuator.requested] == ["prefill", "decode"]
+    entries = await store.audit()
+    # Held twice while paused (recorded once), then asked of the actuator: recorded again.
+    assert [(e.before["pool"], e.after["dry_run"]) for e in entries] == [
+        ("prefill", True),
+        ("decode", True),
+        ("prefill", False),
+        ("decode", False),
+    ]
+    assert entries[-1].after["replicas"] == actuator.requested[-1].replicas == 8
     await store.aclose()
 
 
