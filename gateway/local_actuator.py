@@ -30,7 +30,7 @@ from planner.actuate import ActuatorError, PoolName
 from planner.loop import PoolState
 from workers.deployments import Deployments
 from workers.pool import Drained
-from workers.registry import Worker
+from workers.registry import Worker, mean_kv_usage
 
 log = logging.getLogger("tandem.planner")
 
@@ -135,7 +135,7 @@ class LocalActuator:
             if worker.healthy:
                 ready += 1
                 self._booting.discard(worker.name)
-        return PoolState(ready=ready, starting=len(workers) - ready)
+        return PoolState(ready, len(workers) - ready, mean_kv_usage(workers))
 
     async def scale(self, version: str, pool: PoolName, replicas: int, reason: str) -> None:
         role = _ROLES[pool]

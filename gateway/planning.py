@@ -54,6 +54,7 @@ from planner.scaling import ScalingPolicy
 from rollouts.lease import Lease
 from versions.store import VersionStore
 from workers.deployments import Deployments
+from workers.registry import mean_kv_usage
 
 log = logging.getLogger("tandem.planner")
 
@@ -110,7 +111,7 @@ def pool_state(deployments: Deployments, version: str, pool: PoolName) -> PoolSt
     workers = (deployment.prefill if pool == "prefill" else deployment.decode).workers
     staying = [worker for worker in workers if not worker.draining]
     ready = sum(1 for worker in staying if worker.healthy)
-    return PoolState(ready=ready, starting=len(staying) - ready)
+    return PoolState(ready, len(staying) - ready, mean_kv_usage(staying))
 
 
 def dry_run_actuator(deployments: Deployments) -> DryRunActuator:
@@ -281,6 +282,7 @@ class GatewayPlanner:
                 "ttft_s": config.targets.ttft_s,
                 "itl_s": config.targets.itl_s,
                 "headroom": config.targets.headroom,
+                "kv_usage": config.targets.kv_usage,
             },
             "profile": self._profile.version,
             "lease": None
@@ -410,6 +412,7 @@ class GatewayPlanner:
             pools[pool] = {
                 "ready": None if seen is None else seen.ready,
                 "starting": None if seen is None else seen.starting,
+                "kv_usage": None if seen is None else seen.kv_usage,
                 "draining": self._draining(version, pool),
                 "desired": steps[-1].decision.desired if steps else None,
                 "min_replicas": policy.min_replicas,

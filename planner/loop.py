@@ -5,13 +5,15 @@ controller (``controller.py``), in the gateway. Per pool it counts workers still
 present (a booting worker is capacity on its way: counting it again would add a second one), and
 while a pool has workers starting its latency correction is left out: figures from a pool short of
 capacity that is already coming say nothing new (Dynamo's planner over-scales decode on such
-cold-start samples).
+cold-start samples). A decode pool whose serving workers' KV caches are on average at or above
+``Targets.kv_usage`` full gets one worker more than it has, whatever the load says (or keeps the
+one starting).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.predict import Predictor, TrendPredictor
 from planner.profile import Profile
@@ -25,6 +27,8 @@ class PoolState:
     """Workers serving."""
     starting: int = 0
     """Workers booting, not serving yet."""
+    kv_usage: float | None = None
+    """Mean KV-cache usage (0..1) of its serving workers, where the actuator knows it."""
 
     @property
     def present(self) -> int:
@@ -75,6 +79,13 @@ class Planner:
             itl_s=None if seen.decode.starting else seen.latency.itl_s,
         )
         sized = needed(predicted, self.profile, self.targets, latency, self.interval_s)
+        kv_usage = seen.decode.kv_usage
+        if kv_usage is not None and kv_usage >= self.targets.kv_usage:
+            # Requests waiting for KV memory, not compute: the profile (measured with room)
+            # cannot see it; one more worker adds memory (llm-d and AIBrix scale on it), and
+            # one already starting is that one.
+            more = 0 if seen.decode.starting else 1
+            sized = replace(sized, decode=max(sized.decode, seen.decode.present + more))
         return Step(
             predicted,
             sized,

@@ -49,6 +49,9 @@ class Targets:
     itl_s: float
     headroom: float = 0.8
     """The share of a worker's measured capacity the planner plans to use."""
+    kv_usage: float = 0.9
+    """Mean KV-cache usage of a decode pool's workers from which it gets one more worker
+    (``loop.Planner``)."""
 
 
 @dataclass(frozen=True, slots=True)

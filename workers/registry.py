@@ -68,6 +68,12 @@ class Worker:
             self.num_kv_held -= 1
 
 
+def mean_kv_usage(workers: Iterable[Worker]) -> float | None:
+    """The mean KV-cache usage of the workers in rotation whose usage is known; None if none."""
+    known = [w.kv_usage for w in workers if w.in_rotation and w.kv_usage is not None]
+    return sum(known) / len(known) if known else None
+
+
 def least_loaded(workers: Iterable[Worker], kv_watermark: float | None = None) -> Worker | None:
     """The worker in rotation with the fewest outstanding requests (first listed wins ties); with
     ``kv_watermark``, the least-loaded one among those that are not ``kv_full`` at it.

@@ -218,6 +218,9 @@ class TandemSettings(BaseSettings):
     """Mean inter-token latency the decode pool is sized for (the SLO: 0.1 s a token)."""
     planner_headroom: float = Field(0.8, gt=0, le=1)
     """The share of a worker's profiled capacity the planner plans to use."""
+    planner_kv_usage_target: float = Field(0.9, gt=0, le=1)
+    """Mean KV-cache usage of a decode pool's workers from which the planner adds one (their
+    requests then wait for memory, which the profile does not see)."""
     planner_prefill_min_replicas: int = Field(0, ge=0)
     """Fewest prefill workers per version (0: prompts then run colocated on decode workers)."""
     planner_prefill_max_replicas: int = Field(8, ge=0)

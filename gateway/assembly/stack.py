@@ -253,6 +253,7 @@ def planner_config(settings: TandemSettings) -> PlannerConfig:
             ttft_s=settings.planner_ttft_target_s,
             itl_s=settings.planner_itl_target_s,
             headroom=settings.planner_headroom,
+            kv_usage=settings.planner_kv_usage_target,
         ),
         prefill=ScalingPolicy(
             min_replicas=settings.planner_prefill_min_replicas,

@@ -67,7 +67,7 @@ async def test_a_dry_run_decides_on_live_traffic_and_shows_it_everywhere() -> No
         # Three steps asking for the same change: counted and audited once.
         status = await traffic_until(stack, lambda status: decided(status, times=3))
         assert (status["mode"], status["interval_s"], status["profile"]) == ("dry-run", 0.2, MODEL)
-        assert status["targets"] == {"ttft_s": 1.0, "itl_s": 1.0, "headroom": 0.8}
+        assert status["targets"] == {"ttft_s": 1.0, "itl_s": 1.0, "headroom": 0.8, "kv_usage": 0.9}
         assert status["lease"] is None  # a dry run plans the pools of each gateway
         [version] = status["versions"]
         assert version["version"] == MODEL and version["error"] is None

@@ -45,3 +45,14 @@ def test_a_waiting_request_wakes_a_decode_pool_at_zero_at_once() -> None:
     assert step.predicted.waiting_requests == 1
     assert (step.decode.current, step.decode.desired) == (0, 1)
     assert step.prefill.desired == 1  # its prompt tokens are a prefill backlog
+
+
+def test_a_decode_pool_short_of_kv_memory_gets_one_more_worker() -> None:
+    light = Load(1, 576, 100)  # one decode worker by the profile
+    full = _planner().step(0, Observation(light, Observed(), PoolState(1), PoolState(2, 0, 0.93)))
+    assert full.decode.desired == 3  # what runs, plus one
+    roomy = _planner().step(0, Observation(light, Observed(), PoolState(1), PoolState(2, 0, 0.5)))
+    assert roomy.decode.desired == roomy.needed.decode < 2
+    # One already on its way: no second one for the same shortage.
+    coming = _planner().step(0, Observation(light, Observed(), PoolState(1), PoolState(2, 1, 0.95)))
+    assert coming.decode.desired == 3 and not coming.decode.changes

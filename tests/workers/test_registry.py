@@ -5,7 +5,7 @@ import pytest
 from core.messages import WorkerRole
 from decode_pool import DecodePool
 from workers.pool import PoolConfig
-from workers.registry import Worker, least_loaded, pick_by_affinity
+from workers.registry import Worker, least_loaded, mean_kv_usage, pick_by_affinity
 
 
 def workers(*loads: int) -> list[Worker]:
@@ -182,3 +182,17 @@ def test_pick_by_affinity_is_none_when_every_healthy_worker_is_draining() -> Non
     pool[1].draining = False
     pool[1].healthy = False  # the one not draining is down
     assert pick_by_affinity(pool, "k", 2) is None
+
+
+def test_mean_kv_usage_is_over_the_workers_in_rotation_that_report_it() -> None:
+    serving = [_kv_worker("a", 0.4), _kv_worker("b", 0.8), _kv_worker("c", None)]
+    leaving = _kv_worker("d", 1.0)
+    leaving.draining = True
+    down = _kv_worker("e", 1.0)
+    down.healthy = False
+    assert mean_kv_usage([*serving, leaving, down]) == pytest.approx(0.6)
+    assert mean_kv_usage([_kv_worker("f", None), leaving]) is None
+
+
+def _kv_worker(name: str, usage: float | None) -> Worker:
+    return Worker(name, WorkerRole.DECODE, f"http://{name}", healthy=True, kv_usage=usage)
