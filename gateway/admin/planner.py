@@ -39,13 +39,7 @@ async def pause_planner(
     services: AdminDep, actor: ActorDep, body: Annotated[dict[str, Any] | None, Body()] = None
 ) -> dict[str, Any]:
     """Hold the planner's changes until resumed; its status still says what it would do."""
-    reason = _reason(body)
-    planner = _running(services.planner)
-    was = planner.paused
-    planner.pause()
-    if not was:
-        await _audit(services, "planner.pause", actor, reason)
-    return planner.status()
+    return await _set_paused(services, actor, body, paused=True)
 
 
 @router.post("/resume")
@@ -53,12 +47,21 @@ async def resume_planner(
     services: AdminDep, actor: ActorDep, body: Annotated[dict[str, Any] | None, Body()] = None
 ) -> dict[str, Any]:
     """Let the planner's changes go again (its next step may act at once)."""
+    return await _set_paused(services, actor, body, paused=False)
+
+
+async def _set_paused(
+    services: AdminDep, actor: str, body: dict[str, Any] | None, *, paused: bool
+) -> dict[str, Any]:
+    """Pause or resume; audited when it changes anything. The status after."""
     reason = _reason(body)
     planner = _running(services.planner)
-    was = planner.paused
-    planner.resume()
-    if was:
-        await _audit(services, "planner.resume", actor, reason)
+    if planner.paused != paused:
+        if paused:
+            planner.pause()
+        else:
+            planner.resume()
+        await _audit(services, "planner.pause" if paused else "planner.resume", actor, reason)
     return planner.status()
 
 

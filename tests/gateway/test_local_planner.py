@@ -294,3 +294,10 @@ async def test_paused_the_planner_reports_and_changes_nothing() -> None:
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "reason"
         assert (await stack.status())["paused"] is True
+        for _ in range(2):  # the second changes nothing and is not audited
+            resumed = await stack.admin.post("/admin/v1/planner/resume", json={"reason": "go"})
+            assert resumed.status_code == 200 and resumed.json()["paused"] is False
+        audit = (await stack.admin.get("/admin/v1/audit")).json()["data"]
+        held = [(e["action"], e["reason"]) for e in audit if e["subject"] == "planner"]
+        assert held == [("planner.resume", "go")]
+        assert all(e["actor"].startswith("admin-") for e in audit if e["subject"] == "planner")
