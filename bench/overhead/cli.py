@@ -7,15 +7,16 @@
     python -m bench.overhead --tracing             # tracing off/on at 64 streams, 3 rounds
 
 The same closed-loop load (N concurrent chat streams, ``--tokens`` tokens each) goes directly to
-the fake decode engine, through Tandem (two legs, and colocated), and through LiteLLM's proxy
-when it is installed (``--litellm``, default ``.venv-litellm/bin/litellm``). Reported per target
-and level: TTFT/ITL p50/p99 and what the server adds over direct, the server's CPU per request
-and per streamed chunk, requests/s and errors; then Tandem/LiteLLM ratios, the split of CPU into
-a fixed part per request and a part per chunk next to the anchors in ``measure.ANCHORS``, and (with
-``--profile``) where the gateway's time goes. See ``runs``, ``measure`` and ``servers`` for the
-definitions and the configurations. ``--tracing`` measures what request tracing costs instead
-(``trace_cost``): tracing on against off in alternating rounds, and the calls tracing off
-still makes.
+the fake decode engine, through a bare SSE relay (``bare_relay``: the floor), through Tandem (two
+legs, and colocated), and through LiteLLM's proxy when it is installed (``--litellm``, default
+``.venv-litellm/bin/litellm``). Reported per target and level: TTFT/ITL p50/p99 and what the
+server adds over direct, the server's CPU per request and per streamed chunk, requests/s and
+errors; then Tandem/relay ratios (issue 24's target: at most 2x), Tandem/LiteLLM ratios, the
+split of CPU into a fixed part per request and a part per chunk next to the anchors in
+``measure.ANCHORS``, and (with ``--profile``) where the gateway's time goes. See ``runs``,
+``measure`` and ``servers`` for the definitions and the configurations. ``--tracing``
+measures what request tracing costs instead (``trace_cost``): tracing on against off in
+alternating rounds, and the calls tracing off still makes.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from bench.overhead.trace_cost import (
     run_tracing,
 )
 
-TARGETS = ("direct", "tandem-2leg", "tandem-colocated", "tandem-policy", "litellm")
+TARGETS = ("direct", "relay", "tandem-2leg", "tandem-colocated", "tandem-policy", "litellm")
 DEFAULT_LITELLM = Path(".venv-litellm/bin/litellm")
 T = TypeVar("T")
 
@@ -292,6 +293,11 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
     tables = [
         report.latency_table(output.results),
         report.cpu_table(output.results, where),
+        # Issue 24's target: Tandem at most 2x the bare relay's CPU per request (B/A <= 2).
+        report.versus_table(
+            output.results, "relay", "tandem-colocated", " - issue 24: B/A at most 2x"
+        ),
+        report.versus_table(output.results, "relay", "tandem-2leg"),
         report.versus_table(output.results, "tandem-2leg", "litellm"),
     ]
     if output.extra:

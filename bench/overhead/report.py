@@ -92,39 +92,43 @@ def cpu_table(results: Sequence[LevelResult], where: str) -> Table:
     return table
 
 
-def versus_table(results: Sequence[LevelResult], tandem: str, other: str) -> Table | None:
-    """Tandem and LiteLLM side by side at each concurrency both ran."""
+def versus_table(
+    results: Sequence[LevelResult], first: str, second: str, note: str = ""
+) -> Table | None:
+    """Two targets side by side at each concurrency both ran (A: ``first``, B: ``second``),
+    with B's CPU per request and A's throughput as multiples of the other's."""
     levels = sorted(
-        {r.concurrency for r in results if r.target == other}
-        & {r.concurrency for r in results if r.target == tandem}
+        {r.concurrency for r in results if r.target == second}
+        & {r.concurrency for r in results if r.target == first}
     )
     if not levels:
         return None
-    table = Table(title=f"{tandem} vs {other} (same fake engine, same load, same pinning)")
-    for name in ("conc", "CPU ms/req T", "L", "L/T", "req/s T", "L", "T/L", "+TTFT p50 T", "L",
-                 "+TTFT p99 T", "L", "+ITL p99 T", "L"):  # fmt: skip
+    title = f"A = {first} vs B = {second} (same fake engine, same load, same pinning){note}"
+    table = Table(title=title)
+    for name in ("conc", "CPU ms/req A", "B", "B/A", "req/s A", "B", "A/B", "+TTFT p50 A", "B",
+                 "+TTFT p99 A", "B", "+ITL p99 A", "B"):  # fmt: skip
         table.add_column(name, justify="right")
     for level in levels:
-        t, o = find(results, tandem, level), find(results, other, level)
+        a, b = find(results, first, level), find(results, second, level)
         d = find(results, DIRECT, level)
-        if t is None or o is None:
+        if a is None or b is None:
             continue
-        at = added_latency(t.summary, d.summary) if d else None
-        ao = added_latency(o.summary, d.summary) if d else None
+        added_a = added_latency(a.summary, d.summary) if d else None
+        added_b = added_latency(b.summary, d.summary) if d else None
         table.add_row(
             str(level),
-            _f(t.cpu_ms_per_request, 3),
-            _f(o.cpu_ms_per_request, 3),
-            _f(ratio(o.cpu_ms_per_request, t.cpu_ms_per_request), 1) + "x",
-            _f(t.summary.request_throughput, 1),
-            _f(o.summary.request_throughput, 1),
-            _f(ratio(t.summary.request_throughput, o.summary.request_throughput), 1) + "x",
-            _f(at.ttft_p50 if at else None, signed=True),
-            _f(ao.ttft_p50 if ao else None, signed=True),
-            _f(at.ttft_p99 if at else None, signed=True),
-            _f(ao.ttft_p99 if ao else None, signed=True),
-            _f(at.itl_p99 if at else None, signed=True),
-            _f(ao.itl_p99 if ao else None, signed=True),
+            _f(a.cpu_ms_per_request, 3),
+            _f(b.cpu_ms_per_request, 3),
+            _f(ratio(b.cpu_ms_per_request, a.cpu_ms_per_request), 1) + "x",
+            _f(a.summary.request_throughput, 1),
+            _f(b.summary.request_throughput, 1),
+            _f(ratio(a.summary.request_throughput, b.summary.request_throughput), 1) + "x",
+            _f(added_a.ttft_p50 if added_a else None, signed=True),
+            _f(added_b.ttft_p50 if added_b else None, signed=True),
+            _f(added_a.ttft_p99 if added_a else None, signed=True),
+            _f(added_b.ttft_p99 if added_b else None, signed=True),
+            _f(added_a.itl_p99 if added_a else None, signed=True),
+            _f(added_b.itl_p99 if added_b else None, signed=True),
         )
     return table
 

@@ -1,8 +1,9 @@
 """The two kinds of overhead run: against fast fake engines (the servers started here, pinned),
 and against a real stack someone else runs.
 
-Fake run, per target in turn (``direct``, ``tandem-2leg``, ``tandem-colocated``,
-``tandem-policy`` (two legs, through a sticky policy over two versions), ``litellm``):
+Fake run, per target in turn (``direct``, ``relay`` (a bare SSE relay: the floor),
+``tandem-2leg``, ``tandem-colocated``, ``tandem-policy`` (two legs, through a sticky policy over
+two versions), ``litellm``):
 start its server on the server core, run every concurrency level, then, for servers, a
 1-token level (the fixed cost per request, for the per-chunk split), the profiled level (first
 Tandem target only) and the check of which serving path the gateway counted; stop the server.
@@ -41,6 +42,7 @@ from bench.overhead.servers import (
     TandemSetup,
     gateway_paths,
     start_litellm,
+    start_relay,
     start_tandem,
 )
 
@@ -169,6 +171,8 @@ async def _run_target(
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
         )
         server, api_key = start_tandem(setup, prefill.url, decode.url, MODEL, work_dir, cores)
+    elif name == "relay":
+        server = start_relay(decode.url, work_dir, cores)
     elif name == "litellm":
         if config.litellm is None:
             return

@@ -15,6 +15,9 @@
   else changed from its defaults (no database, so no spend logs or key lookups, which a
   production proxy would add). ``LITELLM_LOCAL_MODEL_COST_MAP`` only skips a network fetch at
   start-up.
+- The bare relay (``relay``): ``python -m bench.overhead.bare_relay --upstream URL`` over the
+  fake decode engine (``bench/overhead/bare_relay.py``): uvicorn and aiohttp, each chunk parsed
+  and written again, nothing else; the floor Tandem's cost is a multiple of (issue 24).
 - Traced Tandem (``tandem-traced``): the two-leg setup exporting every request's spans over
   OTLP/HTTP (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_TRACES_SAMPLER_ARG=1.0``, the batch
   processor's defaults). Every other Tandem target gets the ``OTEL_*`` variables the gateway
@@ -210,6 +213,15 @@ def gateway_paths(url: str) -> dict[str, float]:
                 key = f"{labels['path']}/{labels['reason']}/{labels['outcome']}"
                 counts[key] = counts.get(key, 0.0) + sample.value
     return counts
+
+
+def start_relay(decode_url: str, work_dir: Path, cores: frozenset[int] | None) -> Server:
+    """The bare SSE relay over the fake decode engine, ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.overhead.bare_relay", "--upstream", decode_url,
+            "--port", str(port)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    return start_python_server("relay", argv, url, "/health", work_dir, cores, {})
 
 
 def start_litellm(

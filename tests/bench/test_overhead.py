@@ -290,6 +290,22 @@ def test_cli_runs_direct_and_writes_its_figures(tmp_path: Path) -> None:
     assert figures["config"]["timing"]["tokens"] == 3
 
 
+def test_cli_runs_the_bare_relay_next_to_direct(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = [
+        "--targets", "direct,relay", "--concurrency", "2", "--duration-s", "0.2", "--tokens",
+        "3", "--itl-ms", "2", "--fit-concurrency", "0", "--no-fake-check", "--no-pin",
+        "--out-json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    results = {r["target"]: r for r in json.loads(out.read_text())["results"]}
+    relay = results["relay"]
+    assert relay["summary"]["failed"] == 0 and relay["summary"]["sent"] >= 10
+    # Every chunk of the engine's stream reaches the client, parsed and written again.
+    assert relay["chunks_per_request"] == results["direct"]["chunks_per_request"] == 4
+    assert relay["cpu_ms_per_request"] is not None  # the relay process was measured
+
+
 def test_cli_refuses_tracing_with_targets_of_its_own() -> None:
     assert main(["--tracing", "--targets", "direct"]) == 2
     assert main(["--tracing", "--rounds", "0"]) == 2

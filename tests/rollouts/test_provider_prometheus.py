@@ -404,7 +404,7 @@ def test_the_setting_reaches_the_rollouts_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     built: list[GatewayConfig] = []
-    monkeypatch.setattr(stack_module, "create_app", lambda config, *_: built.append(config))
+    monkeypatch.setattr(stack_module, "create_app", lambda config, *_, **__: built.append(config))
     version = fake_version(tmp_path)
     Stack.from_settings(TandemSettings(), version).app()
     monkeypatch.setenv("TANDEM_ROLLOUT_PROMETHEUS_URL", "http://prometheus:9090")
