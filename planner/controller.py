@@ -111,6 +111,7 @@ class PlannerController:
             log.warning("planner %s: %s not scaled to %d: %s", self.version, pool,
                         decision.desired, exc)  # fmt: skip
             return Applied(now, pool, decision, str(exc))
-        log.info("planner %s: %s %d -> %d (%s)", self.version, pool, decision.current,
-                 decision.desired, decision.reason)  # fmt: skip
+        # Debug: each actuator logs what it did (launched, patched, or nothing: dry run, paused).
+        log.debug("planner %s: asked %s %d -> %d (%s)", self.version, pool, decision.current,
+                  decision.desired, decision.reason)  # fmt: skip
         return Applied(now, pool, decision)
