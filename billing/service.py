@@ -137,14 +137,15 @@ class Billing:
             cost = WorkerCost(worker, deployment, model_version, micros_per_hour)
         self.cost_meter.add_worker(cost)
 
-    def price_like(self, worker: str, sibling: str) -> None:
+    def price_like(self, worker: str, sibling: str) -> bool:
         """Measure a worker added to a running pool (the planner's) at the price of
-        ``sibling``, a worker of the same pool; nothing without a cost meter or that price."""
-        if self.cost_meter is None:
-            return
-        price = self.cost_meter.price_of(sibling)
-        if price is not None:
-            self.cost_meter.add_worker(dataclasses.replace(price, worker=worker))
+        ``sibling``, a worker of the same pool; False (nothing done) without a cost meter or
+        that price."""
+        price = None if self.cost_meter is None else self.cost_meter.price_of(sibling)
+        if self.cost_meter is None or price is None:
+            return False
+        self.cost_meter.add_worker(dataclasses.replace(price, worker=worker))
+        return True
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -113,11 +113,11 @@ class LocalActuator:
         budget: WorkerBudget,
         drain_timeout_s: float,
         on_drained: Callable[[str, PoolName, Drained], None] = lambda *_: None,
-        on_added: Callable[[Worker, str], None] = lambda *_: None,
+        on_added: Callable[[str, Worker, str | None], None] = lambda *_: None,
     ) -> None:
         """``on_drained(version, pool, how)``: a worker drained and stopped;
-        ``on_added(worker, sibling)``: a worker launched in the pool of worker ``sibling`` (to
-        price it alike)."""
+        ``on_added(version, worker, sibling)``: a worker launched in the pool of worker
+        ``sibling`` (to price it alike; None: the pool had no other)."""
         self._launcher = launcher
         self._deployments = deployments
         self.budget = budget
@@ -153,16 +153,12 @@ class LocalActuator:
     def decode_coming(self, version: str) -> bool:
         """Whether a decode worker of ``version`` is on its way, or could be launched now for
         a pool that has none (module docstring)."""
-        if not self._launcher.can_add(version):
+        if not self._launcher.can_add(version) or self._deployments.get(version) is None:
             return False
         staying = self._staying(version, "decode")
         if not staying:
             return self.budget.room(self._launcher.num_managed()) > 0
         return any(w.name in self._booting and not w.healthy for w in staying)
-
-    def draining(self) -> int:
-        """Drains running now."""
-        return len(self._drains)
 
     async def aclose(self) -> None:
         for task in list(self._drains):
@@ -186,8 +182,7 @@ class LocalActuator:
             except (DeployError, OSError) as exc:
                 raise ActuatorError(f"could not launch a {pool} worker: {exc}") from exc
             self._booting.add(worker.name)
-            if sibling is not None:
-                self._on_added(worker, sibling)
+            self._on_added(version, worker, sibling)
             log.info("planner: launched %s for %s (%s pool)", worker.name, version, pool)
         if room < wanted:
             raise ActuatorError(

@@ -493,11 +493,7 @@ async def _planner(
             on_drained=lambda version, pool, drained: metrics.observe_planner_drain(
                 version, pool, clean=not (drained.cut or drained.kv_unread)
             ),
-            # A worker the planner adds costs what its pool's others do (provisioned from its
-            # first telemetry sample until it stops).
-            on_added=lambda worker, sibling: (
-                billing.price_like(worker.name, sibling) if billing is not None else None
-            ),
+            on_added=functools.partial(_price_added_worker, billing, deployments),
         )
         # Stopped after the planner (pushed later), before the supervisor stops the pools.
         resources.push_async_callback(local.aclose)
@@ -602,6 +598,22 @@ def _cost_meter(config: BillingConfig, deployments: Deployments) -> CostMeter:
             for worker in deployment.workers
         ]
     )
+
+
+def _price_added_worker(
+    billing: Billing | None,
+    deployments: Deployments,
+    version: str,
+    worker: Worker,
+    sibling: str | None,
+) -> None:
+    """A worker the planner added costs what its pool's others do, or else the configured
+    price (provisioned from its first telemetry sample until it stops)."""
+    deployment = deployments.get(version)
+    if billing is None or deployment is None:
+        return
+    if sibling is None or not billing.price_like(worker.name, sibling):
+        billing.price_worker(worker.name, deployment.model.deployment, version)
 
 
 def _worker_pids(deployments: Deployments) -> dict[str, int | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from billing.cost import CostFigure, CostMeter, WorkerCost, figures_to_json
 from billing.cost_metrics import CostCollector
 from billing.nvml import NvmlCollector
+from billing.service import Billing, BillingConfig
 from billing.telemetry import BusyBasis, TelemetryCollector
 from tests.billing.fake_host import FakeClock, FakeHost
 from tests.billing.fake_nvml import GIB, FakeGpu, FakeNvml
@@ -322,3 +324,16 @@ def test_caller_mistakes_are_refused() -> None:
         meter.observe_tokens("d", "v", -1, 0)
     assert meter.has_worker("w")
     assert not meter.has_worker("nobody")
+
+
+def test_a_worker_added_to_a_running_pool_is_priced_like_its_sibling(tmp_path: Path) -> None:
+    meter = CostMeter([WorkerCost("decode-0", "smol", "smol@1", 2_000_000)])
+    billing = Billing(
+        BillingConfig(sqlite_path=tmp_path / "ledger.db", spool_dir=tmp_path / "spool"),
+        cost_meter=meter,
+    )
+    assert billing.price_like("decode-1", "decode-0")
+    assert meter.price_of("decode-1") == WorkerCost("decode-1", "smol", "smol@1", 2_000_000)
+    assert not billing.price_like("decode-2", "no-such-worker")
+    assert meter.price_of("decode-2") is None
+    assert not Billing(billing.config).price_like("decode-3", "decode-0")  # no cost meter
