@@ -15,14 +15,14 @@ from billing.cost import CostFigure, CostMeter, WorkerCost, figures_to_json
 from billing.cost_metrics import CostCollector
 from billing.nvml import NvmlCollector
 from billing.service import Billing, BillingConfig
+from billing.telemetry import BusyBasis, TelemetryCollector
 from core.messages import WorkerRole
 from core.models import ServedModel
 from gateway.assembly.app import _price_added_worker
-from workers.deployments import Deployment, Deployments
-from workers.registry import Worker
-from billing.telemetry import BusyBasis, TelemetryCollector
 from tests.billing.fake_host import FakeClock, FakeHost
 from tests.billing.fake_nvml import GIB, FakeGpu, FakeNvml
+from workers.deployments import Deployment, Deployments
+from workers.registry import Worker
 
 # The trace: deployment smol/v1 on two GPU workers, one 9 s tick at a time (9 s makes the
 # prices come out in whole micro-dollars).
