@@ -16,13 +16,8 @@ from billing.cost_metrics import CostCollector
 from billing.nvml import NvmlCollector
 from billing.service import Billing, BillingConfig
 from billing.telemetry import BusyBasis, TelemetryCollector
-from core.messages import WorkerRole
-from core.models import ServedModel
-from gateway.assembly.app import _price_added_worker
 from tests.billing.fake_host import FakeClock, FakeHost
 from tests.billing.fake_nvml import GIB, FakeGpu, FakeNvml
-from workers.deployments import Deployment, Deployments
-from workers.registry import Worker
 
 # The trace: deployment smol/v1 on two GPU workers, one 9 s tick at a time (9 s makes the
 # prices come out in whole micro-dollars).
@@ -342,28 +337,3 @@ def test_a_worker_added_to_a_running_pool_is_priced_like_its_sibling(tmp_path: P
     assert not billing.price_like("decode-2", "no-such-worker")
     assert meter.price_of("decode-2") is None
     assert not Billing(billing.config).price_like("decode-3", "decode-0")  # no cost meter
-
-
-def test_the_gateway_prices_a_planner_worker_like_its_pool_or_as_configured(
-    tmp_path: Path,
-) -> None:
-    class Pool:
-        workers: list[Worker] = []
-        kv_watermark = 1.0
-
-        def pick(self) -> None:
-            return None
-
-    model = ServedModel("smol", 256, 0, "smol@1", "smol")
-    deployments = Deployments([Deployment(model, Pool(), Pool())])
-    meter = CostMeter([WorkerCost("decode-0", "smol", "smol@1", 5_000_000)])
-    config = BillingConfig(
-        sqlite_path=tmp_path / "ledger.db", spool_dir=tmp_path / "spool", worker_micros_per_hour=7
-    )
-    billing = Billing(config, cost_meter=meter)
-    new = Worker("decode-1", WorkerRole.DECODE, "http://w")
-    _price_added_worker(billing, deployments, "smol@1", new, "decode-0")
-    assert meter.price_of("decode-1") == WorkerCost("decode-1", "smol", "smol@1", 5_000_000)
-    alone = Worker("decode-2", WorkerRole.DECODE, "http://w")
-    _price_added_worker(billing, deployments, "smol@1", alone, None)
-    assert meter.price_of("decode-2") == config.worker_cost("decode-2", "smol", "smol@1")

@@ -20,11 +20,16 @@ import openai
 import psutil
 import uvicorn
 
+from billing.cost import CostMeter, WorkerCost
+from billing.service import Billing, BillingConfig
+from core.messages import WorkerRole
+from core.models import ServedModel
 from gateway.assembly.app import (
     AccessConfig,
     GatewayConfig,
     RolloutsConfig,
     VersionsConfig,
+    _price_added_worker,
     create_app,
 )
 from gateway.assembly.settings import TandemSettings
@@ -40,7 +45,7 @@ from planner.replicas import Targets
 from planner.scaling import ScalingPolicy
 from tests.fakes.model_folder import fake_version
 from tests.gateway.conftest import ADMIN_KEY, _free_port, stop_server, wait_until
-from workers.deployments import Deployments
+from workers.deployments import Deployment, Deployments
 from workers.registry import Worker
 
 TOKENS = 40
@@ -301,3 +306,28 @@ async def test_paused_the_planner_reports_and_changes_nothing() -> None:
         held = [(e["action"], e["reason"]) for e in audit if e["subject"] == "planner"]
         assert held == [("planner.resume", "go")]
         assert all(e["actor"].startswith("admin-") for e in audit if e["subject"] == "planner")
+
+
+def test_the_gateway_prices_a_planner_worker_like_its_pool_or_as_configured(
+    tmp_path: Path,
+) -> None:
+    class Pool:
+        workers: list[Worker] = []
+        kv_watermark = 1.0
+
+        def pick(self) -> None:
+            return None
+
+    model = ServedModel("smol", 256, 0, "smol@1", "smol")
+    deployments = Deployments([Deployment(model, Pool(), Pool())])
+    meter = CostMeter([WorkerCost("decode-0", "smol", "smol@1", 5_000_000)])
+    config = BillingConfig(
+        sqlite_path=tmp_path / "ledger.db", spool_dir=tmp_path / "spool", worker_micros_per_hour=7
+    )
+    billing = Billing(config, cost_meter=meter)
+    new = Worker("decode-1", WorkerRole.DECODE, "http://w")
+    _price_added_worker(billing, deployments, "smol@1", new, "decode-0")
+    assert meter.price_of("decode-1") == WorkerCost("decode-1", "smol", "smol@1", 5_000_000)
+    alone = Worker("decode-2", WorkerRole.DECODE, "http://w")
+    _price_added_worker(billing, deployments, "smol@1", alone, None)
+    assert meter.price_of("decode-2") == config.worker_cost("decode-2", "smol", "smol@1")
