@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +28,7 @@ from core.messages import WorkerRole
 from gateway.catalog import DeployError
 from planner.actuate import ActuatorError, PoolName
 from planner.loop import PoolState
-from workers.deployments import Deployments
+from workers.deployments import Deployment, Deployments
 from workers.pool import Drained
 from workers.registry import Worker, mean_kv_usage
 
@@ -102,6 +102,26 @@ def host_memory_gib() -> float | None:
         return None
 
 
+def pool_workers(deployment: Deployment, pool: PoolName) -> Sequence[Worker]:
+    """Every worker of the deployment's ``pool``, draining ones included."""
+    return (deployment.prefill if pool == "prefill" else deployment.decode).workers
+
+
+def staying_workers(deployments: Deployments, version: str, pool: PoolName) -> list[Worker]:
+    """The workers of ``version``'s pool that are not leaving (draining ones are not counted:
+    they are on their way out); ``ActuatorError`` when the version is not deployed here."""
+    deployment = deployments.get(version)
+    if deployment is None:
+        raise ActuatorError(f"{version} is not deployed on this gateway")
+    return [worker for worker in pool_workers(deployment, pool) if not worker.draining]
+
+
+def serving_state(workers: list[Worker]) -> PoolState:
+    """A pool's workers as the planner reads them: healthy ones serve, the others start."""
+    ready = sum(1 for worker in workers if worker.healthy)
+    return PoolState(ready, len(workers) - ready, mean_kv_usage(workers))
+
+
 class LocalActuator:
     """``Actuator`` over this gateway's supervisor (module docstring). ``aclose`` it before the
     supervisor: drains still running are cancelled and their workers stop with the pools."""
@@ -130,12 +150,8 @@ class LocalActuator:
 
     async def state(self, version: str, pool: PoolName) -> PoolState:
         workers = self._staying(version, pool)
-        ready = 0
-        for worker in workers:
-            if worker.healthy:
-                ready += 1
-                self._booting.discard(worker.name)
-        return PoolState(ready, len(workers) - ready, mean_kv_usage(workers))
+        self._booting.difference_update(worker.name for worker in workers if worker.healthy)
+        return serving_state(workers)
 
     async def scale(self, version: str, pool: PoolName, replicas: int, reason: str) -> None:
         role = _ROLES[pool]
@@ -166,11 +182,7 @@ class LocalActuator:
         await asyncio.gather(*self._drains, return_exceptions=True)
 
     def _staying(self, version: str, pool: PoolName) -> list[Worker]:
-        deployment = self._deployments.get(version)
-        if deployment is None:
-            raise ActuatorError(f"{version} is not deployed on this gateway")
-        source = deployment.prefill if pool == "prefill" else deployment.decode
-        return [worker for worker in source.workers if not worker.draining]
+        return staying_workers(self._deployments, version, pool)
 
     async def _add(self, version: str, pool: PoolName, role: WorkerRole, wanted: int) -> None:
         room = self.budget.room(self._launcher.num_managed())

@@ -43,9 +43,9 @@ from typing import Any, Literal
 
 from admission.quota import StoreUnavailable
 from gateway.audited import audit
-from gateway.local_actuator import WorkerBudget
+from gateway.local_actuator import WorkerBudget, pool_workers, serving_state, staying_workers
 from gateway.metrics import GatewayMetrics
-from planner.actuate import Actuator, ActuatorError, DryRunActuator, PoolName
+from planner.actuate import Actuator, DryRunActuator, PoolName
 from planner.controller import Applied, LoadSource, PlannerController
 from planner.loop import Planner, PoolState
 from planner.profile import Profile
@@ -54,7 +54,6 @@ from planner.scaling import ScalingPolicy
 from rollouts.lease import Lease
 from versions.store import VersionStore
 from workers.deployments import Deployments
-from workers.registry import mean_kv_usage
 
 log = logging.getLogger("tandem.planner")
 
@@ -105,13 +104,7 @@ class PlannerConfig:
 def pool_state(deployments: Deployments, version: str, pool: PoolName) -> PoolState:
     """A deployed version's pool as the gateway sees it: healthy workers serve, the others are
     starting (booting, or restarting after a crash)."""
-    deployment = deployments.get(version)
-    if deployment is None:
-        raise ActuatorError(f"{version} is not deployed on this gateway")
-    workers = (deployment.prefill if pool == "prefill" else deployment.decode).workers
-    staying = [worker for worker in workers if not worker.draining]
-    ready = sum(1 for worker in staying if worker.healthy)
-    return PoolState(ready, len(staying) - ready, mean_kv_usage(staying))
+    return serving_state(staying_workers(deployments, version, pool))
 
 
 def dry_run_actuator(deployments: Deployments) -> DryRunActuator:
@@ -398,8 +391,7 @@ class GatewayPlanner:
         deployment = self._deployments.get(version)
         if deployment is None:
             return 0
-        source = deployment.prefill if pool == "prefill" else deployment.decode
-        return sum(1 for worker in source.workers if worker.draining)
+        return sum(1 for worker in pool_workers(deployment, pool) if worker.draining)
 
     def _version_status(self, version: str, planned: _Version, to_unix: float) -> dict[str, Any]:
         history = list(planned.controller.history)

@@ -60,8 +60,13 @@ async def sqlite_or_redis(
     finally:
         for store in backend.opened:
             await store.aclose()
-        raw = Redis.from_url(url)
-        stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-        if stale:
-            await raw.delete(*stale)
-        await raw.aclose()
+        await delete_keys(url, prefix)
+
+
+async def delete_keys(url: str, prefix: str) -> None:
+    """Delete a test's Redis keys (those under its ``prefix``), leaving other tests' alone."""
+    raw = Redis.from_url(url)
+    stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
+    if stale:
+        await raw.delete(*stale)
+    await raw.aclose()

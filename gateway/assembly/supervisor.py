@@ -280,10 +280,9 @@ class Supervisor:
 
     def managed(self, version: str, role: WorkerRole) -> set[str]:
         """Names of the managed workers of ``version``'s ``role`` pool."""
-        pools = self._pools.get(version)
-        if pools is None:
+        pool = self._pool(version, role)
+        if pool is None:
             return set()
-        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
         return {status.name for status in pool.status() if status.managed}
 
     def num_managed(self) -> int:
@@ -294,8 +293,8 @@ class Supervisor:
     async def add_worker(self, version: str, role: WorkerRole) -> Worker:
         """Launch one more worker in ``version``'s ``role`` pool (it serves once healthy)."""
         launches = self._launches.get(version)
-        pools = self._pools.get(version)
-        if launches is None or pools is None:
+        pool = self._pool(version, role)
+        if launches is None or pool is None:
             raise DeployError(f"{version} has no managed workers here to add to")
         index = launches.next_index[role]
         launches.next_index[role] = index + 1
@@ -308,7 +307,6 @@ class Supervisor:
             launch=launches.launch[role],
             cpu_bind=bind,
         )
-        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
         try:
             worker = await pool.add(spec)
         except BaseException:
@@ -322,15 +320,21 @@ class Supervisor:
     ) -> Drained:
         """Drain managed worker ``name`` of ``version`` (``WorkerPool.drain``) and give its
         ports and core binding back."""
-        pools = self._pools.get(version)
-        if pools is None:
+        pool = self._pool(version, role)
+        if pool is None:
             raise DeployError(f"{version} is not deployed here")
-        pool = pools[0] if role is WorkerRole.PREFILL else pools[1]
         process = pool.process(name)
         drained = await pool.drain(name, timeout_s)
         self._binds.get(version, {}).pop(name, None)
         self._give_back_ports(process)
         return drained
+
+    def _pool(self, version: str, role: WorkerRole) -> WorkerPool | None:
+        """``version``'s pool of ``role``; None when it is not deployed here."""
+        pools = self._pools.get(version)
+        if pools is None:
+            return None
+        return pools[0] if role is WorkerRole.PREFILL else pools[1]
 
     def _give_back_ports(self, process: WorkerProcess | None) -> None:
         if process is not None:

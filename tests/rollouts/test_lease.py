@@ -12,12 +12,12 @@ from pathlib import Path
 from uuid import uuid4
 
 import pytest
-from redis.asyncio import Redis
 
 from admission.quota import StoreUnavailable
 from rollouts.lease import Lease, RedisLease, SqliteLease
 from rollouts.store import FencedOutError
 from rollouts.store_sqlite import SqliteRolloutStore
+from tests.store_backends import delete_keys
 
 TTL_S = 0.5
 
@@ -66,11 +66,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     yield backend
     for lease in backend.opened:
         await lease.aclose()
-    raw = Redis.from_url(url)
-    stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-    if stale:
-        await raw.delete(*stale)
-    await raw.aclose()
+    await delete_keys(url, prefix)
 
 
 async def test_acquire_renew_and_refuse_another_holder(backend: Backend) -> None:

@@ -23,7 +23,7 @@ from rollouts.store import (
 )
 from rollouts.store_redis import RedisRolloutStore
 from rollouts.store_sqlite import SCHEMA_VERSION, SqliteRolloutStore
-from tests.store_backends import Backend, sqlite_or_redis
+from tests.store_backends import Backend, delete_keys, sqlite_or_redis
 
 # More significant digits than Lua's cjson keeps (14): a store that rounds times fails here.
 PRECISE_TIME = 1732281234.1234567
@@ -332,10 +332,8 @@ async def test_redis_key_layout(redis_url: str) -> None:
         assert await raw.zrange(f"{prefix}active", 0, -1) == []
     finally:
         await store.aclose()
-        stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-        if stale:
-            await raw.delete(*stale)
         await raw.aclose()
+        await delete_keys(redis_url, prefix)
 
 
 async def test_redis_unreachable_is_store_unavailable() -> None:

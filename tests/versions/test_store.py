@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from admission.quota import StoreUnavailable
 from core.models import GenerationDefaults
 from tests.redis_server import running_redis
-from tests.store_backends import Backend, sqlite_or_redis
+from tests.store_backends import Backend, delete_keys, sqlite_or_redis
 from versions.records import (
     AuditEntry,
     ModelVersion,
@@ -360,10 +360,8 @@ async def test_redis_deleting_every_version_leaves_only_policies_and_audit(redis
         assert keys == {prefix + suffix for suffix in suffixes}
     finally:
         await store.aclose()
-        stale = [key async for key in raw.scan_iter(match=f"{prefix}*")]
-        if stale:
-            await raw.delete(*stale)
         await raw.aclose()
+        await delete_keys(redis_url, prefix)
 
 
 async def test_redis_outage_and_silence_become_store_unavailable() -> None:
