@@ -210,8 +210,9 @@ def worker_env(spec: WorkerSpec) -> dict[str, str]:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec_fn that asks Linux to SIGTERM the child when the gateway dies."""
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec_fn that asks Linux to SIGTERM the child when the gateway dies (its vLLM workers,
+    its other gateway processes, the redis-server it owns)."""
     # Resolve prctl before forking: loading a library in the child of a threaded parent can
     # deadlock on a lock some other thread held at fork time.
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -272,7 +273,7 @@ class WorkerProcess:
                 # A new session makes the worker lead its own process group, so one killpg
                 # reaches everything vLLM forks, and a Ctrl-C on the gateway's terminal doesn't.
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
             )
         finally:
             log.close()  # the child holds its own copy of the descriptor

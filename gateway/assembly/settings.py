@@ -35,6 +35,17 @@ class TandemSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     """Port the gateway listens on."""
 
+    gateway_workers: int | None = Field(None, ge=1)
+    """Gateway processes serving ``host:port`` together (``SO_REUSEPORT``: the kernel spreads
+    connections). Unset: the cores available to ``tandem up`` minus those its managed workers
+    are bound to (``cpu_binding``), at least 1. Above 1 they share every store through Redis
+    (``redis_url``, else a ``redis-server`` ``tandem up`` starts and owns); see
+    ``docs/ARCHITECTURE.md``, "Gateway processes"."""
+    gateway_process_base_port: int | None = Field(None, ge=1, le=65535)
+    """With several gateway processes, each also serves on ``127.0.0.1`` alone (its own
+    ``/metrics``): process ``i`` on this port + ``i``; unset = free ports, listed in
+    ``state_dir/gateway-processes.json``."""
+
     model: Path | None = None
     """Model to serve: a GGUF file or HF-format folder; unset = bundled SmolLM2-135M-Instruct."""
     config: Path | None = None

@@ -73,6 +73,12 @@ class Stack:
     """Where the gateway and its workers export traces (the ``OTEL_*`` environment)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """The autoscaling planner, its worker profile loaded."""
+    process_index: int = 0
+    """Which gateway process serves this app (0: ``tandem up`` itself); each has its own
+    ledger spool."""
+    num_processes: int = 1
+    """Gateway processes serving the stack together. Above 1, versions are fixed at start:
+    one deployed at runtime would reach the process that deployed it only."""
 
     @classmethod
     def from_settings(
@@ -211,7 +217,7 @@ class Stack:
             access=access_config(settings, self.model_dir),
             moderation=moderation_setup(settings),
             idempotency=IdempotencyConfig(retention_s=settings.idempotency_retention_s),
-            billing=billing_config(settings),
+            billing=billing_config(settings, self.process_index),
             versions=self.declared,
             rollouts=RolloutsConfig(
                 tick_s=settings.rollout_tick_s,
@@ -224,12 +230,13 @@ class Stack:
             tracing=self.tracing,
             otlp_metrics=OtlpMetricsConfig.from_env(),
         )
+        alone = self.num_processes == 1
         return create_app(
             config,
             self.deployments,
             LocalVersionBuilder(settings),
-            self.supervisor,
-            launcher=self.supervisor,
+            self.supervisor if alone else None,
+            launcher=self.supervisor if alone else None,
         )
 
 
@@ -340,14 +347,15 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
     )
 
 
-def billing_config(settings: TandemSettings) -> BillingConfig | None:
-    """The ledger as the settings ask (None when billing is off)."""
+def billing_config(settings: TandemSettings, process_index: int = 0) -> BillingConfig | None:
+    """The ledger as the settings ask (None when billing is off); ``process_index``: the
+    gateway process writing through it, which spools in a directory of its own."""
     if not settings.billing:
         return None
     url = settings.billing_database_url
     return BillingConfig(
         sqlite_path=settings.state_dir / "ledger.db",
-        spool_dir=settings.state_dir / "ledger-spool",
+        spool_dir=spool_dir(settings.state_dir, process_index),
         database_url=url.get_secret_value() if url is not None else None,
         currency=settings.billing_currency,
         refresh_interval_s=settings.billing_refresh_interval_s,
@@ -361,3 +369,10 @@ def billing_config(settings: TandemSettings) -> BillingConfig | None:
 
 def _micros(amount: Decimal) -> int:
     return int((amount * 1_000_000).to_integral_value())
+
+
+def spool_dir(state_dir: Path, process_index: int) -> Path:
+    """Gateway process ``process_index``'s ledger spool: ``ledger-spool`` for ``tandem up``
+    itself (as with one process), ``ledger-spool-<i>`` for the others. A writer replays only
+    its own directory at start, so two processes never insert one segment at once."""
+    return state_dir / ("ledger-spool" if process_index == 0 else f"ledger-spool-{process_index}")

@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,18 @@ from rich.console import Console
 from rich.status import Status
 
 from gateway.assembly.config_file import ConfigFileError, load_stack_file
+from gateway.assembly.gateway_processes import (
+    GatewayProcessError,
+    GatewayProcesses,
+    ProcessHeader,
+    adopt_orphan_spools,
+    default_gateway_workers,
+    handoffs,
+    listening_socket,
+    own_socket,
+    write_process_list,
+)
+from gateway.assembly.redis_server import OwnedRedis, RedisServerError
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stack import Stack, planner_config
 from gateway.assembly.supervisor import fingerprint, port_is_free
@@ -52,6 +65,7 @@ from gateway.cli.models import (
 )
 from gateway.cli.planner import add_planner_parser, run_planner
 from gateway.cli.rollouts import add_rollout_parser, run_rollout
+from gateway.cli.serve import Server, run_event_loop, tune_garbage_collector
 from planner.profile import ProfileError
 from telemetry.otlp_env import TelemetryConfigError
 from versions.records import VersionSourceError
@@ -82,7 +96,7 @@ def run_command(args: argparse.Namespace) -> int | None:
     )
     try:
         if args.command == "up":
-            return _run_event_loop(_up(_settings_from_args(args), log_level))
+            return run_event_loop(_up(_settings_from_args(args), log_level))
         if args.command == "model" and args.model_command == "prepare":
             with RichProgress(console) as progress:
                 prepared = prepare_model(args.model, cache_dir=args.cache_dir, progress=progress)
@@ -149,6 +163,16 @@ def add_commands(commands: Any) -> None:
         metavar="URL",
         help="a decode worker someone else runs (repeatable)",
     )
+    up.add_argument(
+        "--gateway-workers",
+        type=int,
+        dest="gateway_workers",
+        metavar="N",
+        help="gateway processes serving the one port (default: the cores available minus those "
+        "the managed workers are bound to, at least 1); above 1 they share quotas, fairness, "
+        "idempotency and versions through Redis: TANDEM_REDIS_URL, else a redis-server "
+        "tandem up starts (its data in the state dir)",
+    )
     up.add_argument("--max-model-len", type=int)
     up.add_argument(
         "--enforce-eager",
@@ -185,21 +209,17 @@ def _settings_from_args(args: argparse.Namespace) -> TandemSettings:
     return TandemSettings(**overrides)
 
 
-def _run_event_loop(main_coro: object) -> int:
-    import uvloop  # uvicorn[standard] brings it; the relay's per-event cost is lower on it
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return int(runner.run(main_coro))  # type: ignore[arg-type]
-
-
 async def _up(settings: TandemSettings, log_level: str = "info") -> int:
     stopping = asyncio.Event()
     main_task = asyncio.current_task()
-    server: _Server | None = None
+    server: Server | None = None
+    processes: GatewayProcesses | None = None
 
     def on_signal() -> None:
         # First signal: stop gracefully (cancel a boot in progress, or drain the server).
         stopping.set()
+        if processes is not None:
+            processes.signal_stop()  # they drain while this one does
         if server is not None:
             server.should_exit = True
         elif main_task is not None:
@@ -216,8 +236,12 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         )
         return 1
     stack: Stack | None = None
+    redis: OwnedRedis | None = None
     try:
         stack = await _plan_stack(settings)
+        stack.num_processes = _num_gateway_processes(settings, stack)
+        if stack.num_processes > 1:
+            settings, redis = await _shared_stores(settings, stack)
         with _boot_display(stack) as on_progress:
             await stack.start(on_progress=on_progress)
         console.print(
@@ -226,9 +250,23 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 f"{w.name} {w.base_url} ({d.version})" for d in stack.deployments for w in d.workers
             )
         )
-        server = _Server(
+        app: Any = stack.app()
+        sockets: list[socket.socket] | None = None
+        if stack.num_processes > 1:
+            adopt_orphan_spools(settings.state_dir, stack.num_processes)
+            app = ProcessHeader(app, 0)
+            sockets = [_shared_socket(settings), own_socket(settings, 0)]
+            processes = GatewayProcesses(
+                handoffs(stack, settings),
+                [
+                    (_shared_socket(settings), own_socket(settings, i))
+                    for i in range(1, stack.num_processes)
+                ],
+                log_level,
+            )
+        server = Server(
             uvicorn.Config(
-                stack.app(),
+                app,
                 host=settings.host,
                 port=settings.port,
                 log_level=log_level,
@@ -236,26 +274,33 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 lifespan="on",
             )
         )
-        base = f"http://{settings.host}:{settings.port}/v1"
-        key_hint = (
-            "api_key: any string (TANDEM_AUTH_REQUIRED=false)"
-            if not settings.auth_required
-            else "api_key: a tenant key from `tandem admin tenants create NAME` then "
-            "`tandem admin keys issue NAME`"
-        )
-        console.print(
-            f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] ({key_hint}), "
-            f"model [bold]{', '.join(stack.deployments.aliases())}[/]. Ctrl-C stops "
-            "everything.\n"
-        )
-        if not stopping.is_set():
-            _tune_garbage_collector()
+        _print_up(settings, stack)
+        if stopping.is_set():
+            return 0
+        tune_garbage_collector()
+        if processes is None or sockets is None:
             await server.serve()
-        return 0
+            return 0
+        starter = asyncio.create_task(
+            _start_processes(server, processes, settings, sockets[1]), name="gateway-processes"
+        )
+        try:
+            await server.serve(sockets=sockets)
+        finally:
+            starter.cancel()
+            for sock in sockets:
+                sock.close()
+        return 0 if starter.cancelled() or starter.result() else 1
     except WorkerStartupError as exc:
         console.print(f"[red]a worker failed to start:[/]\n{exc}")
         return 1
-    except (ConfigFileError, VersionSourceError, TelemetryConfigError) as exc:
+    except (
+        ConfigFileError,
+        VersionSourceError,
+        TelemetryConfigError,
+        RedisServerError,
+        GatewayProcessError,
+    ) as exc:
         console.print(f"[red]cannot start:[/] {exc}")
         return 1
     except ProfileError as exc:
@@ -270,10 +315,100 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         console.print("stopping before the stack was up")
         return 130
     finally:
+        # In order: the other gateway processes (they use the workers and Redis), the
+        # workers, then Redis.
+        if processes is not None:
+            with _status_line("stopping the other gateway processes"):
+                await processes.aclose()
         if stack is not None:
             with _status_line("stopping workers"):
                 await stack.aclose()
             console.print("all workers stopped")
+        if redis is not None:
+            await redis.aclose()
+
+
+def _num_gateway_processes(settings: TandemSettings, stack: Stack) -> int:
+    """``--gateway-workers``, else the cores left over by the managed workers' bindings."""
+    if settings.gateway_workers is not None:
+        return settings.gateway_workers
+    num_managed = sum(
+        1 for pool in stack.supervisor.pools() for status in pool.status() if status.managed
+    )
+    return default_gateway_workers(os.sched_getaffinity(0), settings.cpu_binding, num_managed)
+
+
+async def _shared_stores(
+    settings: TandemSettings, stack: Stack
+) -> tuple[TandemSettings, OwnedRedis | None]:
+    """The settings every process runs with: Redis for every shared store (the one given, or
+    one started here). Refuses what one process's view cannot do for all of them."""
+    if settings.planner != "off":
+        raise GatewayProcessError(
+            f"TANDEM_PLANNER={settings.planner} reads the load one gateway process sees, and "
+            f"{stack.num_processes} would share it: run --gateway-workers 1 with the planner, "
+            "or TANDEM_PLANNER=off"
+        )
+    redis = None
+    if settings.redis_url is None:
+        redis = OwnedRedis(settings.state_dir / "redis")
+        try:
+            await redis.start()
+        except BaseException:
+            await redis.aclose()
+            raise
+        console.print(f"redis-server for {stack.num_processes} gateway processes: {redis.url}")
+        settings = settings.model_copy(update={"redis_url": redis.url})
+        stack.settings = settings
+    return settings, redis
+
+
+def _shared_socket(settings: TandemSettings) -> socket.socket:
+    return listening_socket(settings.host, settings.port, reuse_port=True)
+
+
+async def _start_processes(
+    server: Server, processes: GatewayProcesses, settings: TandemSettings, own: socket.socket
+) -> bool:
+    """Processes 1..N-1, once this one serves (it recorded versions and policies first);
+    False, and the server stopped, when one cannot start."""
+    while not server.started:  # noqa: ASYNC110 (uvicorn offers a flag, not an event)
+        await asyncio.sleep(0.05)
+    try:
+        await processes.start()
+    except GatewayProcessError as exc:
+        console.print(f"[red]cannot start:[/] {exc}")
+        server.should_exit = True
+        return False
+    entries: list[tuple[int, int | None, str]] = [
+        (0, os.getpid(), f"http://127.0.0.1:{own.getsockname()[1]}")
+    ]
+    entries += [
+        (i, pid, url)
+        for i, (pid, url) in enumerate(zip(processes.pids, processes.urls, strict=True), 1)
+    ]
+    path = settings.state_dir / "gateway-processes.json"
+    write_process_list(path, entries)
+    console.print(
+        f"{len(entries)} gateway processes on {settings.host}:{settings.port}; each alone "
+        f"(its /metrics) at {', '.join(url for _, _, url in entries)} (listed in {path})"
+    )
+    return True
+
+
+def _print_up(settings: TandemSettings, stack: Stack) -> None:
+    base = f"http://{settings.host}:{settings.port}/v1"
+    key_hint = (
+        "api_key: any string (TANDEM_AUTH_REQUIRED=false)"
+        if not settings.auth_required
+        else "api_key: a tenant key from `tandem admin tenants create NAME` then "
+        "`tandem admin keys issue NAME`"
+    )
+    console.print(
+        f"\n[bold]Tandem is up.[/] Point an OpenAI client at [bold]{base}[/] ({key_hint}), "
+        f"model [bold]{', '.join(stack.deployments.aliases())}[/]. Ctrl-C stops "
+        "everything.\n"
+    )
 
 
 async def _plan_stack(settings: TandemSettings) -> Stack:
@@ -305,29 +440,6 @@ async def _plan_stack(settings: TandemSettings) -> Stack:
         else None
     )
     return Stack.from_settings(settings, version, planner)
-
-
-def _tune_garbage_collector() -> None:
-    """Keep collector pauses out of streams (measured by bench/overhead).
-
-    What exists before serving (the app, its stores, the imported libraries) lives as long as
-    the process: frozen, full collections no longer re-scan it (each took ~0.1 s under load). A
-    larger first generation runs the young collections a tenth as often.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-
-
-_GC_YOUNG_THRESHOLD = 7_000  # CPython's default is 700
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # Tandem's own handlers stop the server and then the pools; uvicorn's would re-raise
-        # the signal after serving and kill the process before the workers are stopped.
-        yield
 
 
 @contextlib.contextmanager
