@@ -38,7 +38,8 @@ class TandemSettings(BaseSettings):
     gateway_workers: int | None = Field(None, ge=1)
     """Gateway processes serving ``host:port`` together (``SO_REUSEPORT``: the kernel spreads
     connections). Unset: the cores available to ``tandem up`` minus those its managed workers
-    are bound to (``cpu_binding``), at least 1. Above 1 they share every store through Redis
+    are bound to (``cpu_binding``), at least 1; 1 with the planner on (it reads one process's
+    load, so it refuses more). Above 1 they share every store through Redis
     (``redis_url``, else a ``redis-server`` ``tandem up`` starts and owns); see
     ``docs/ARCHITECTURE.md``, "Gateway processes"."""
     gateway_process_base_port: int | None = Field(None, ge=1, le=65535)

@@ -169,7 +169,7 @@ def add_commands(commands: Any) -> None:
         dest="gateway_workers",
         metavar="N",
         help="gateway processes serving the one port (default: the cores available minus those "
-        "the managed workers are bound to, at least 1); above 1 they share quotas, fairness, "
+        "the managed workers are bound to, at least 1; 1 with TANDEM_PLANNER on); above 1 they share quotas, fairness, "
         "idempotency and versions through Redis: TANDEM_REDIS_URL, else a redis-server "
         "tandem up starts (its data in the state dir)",
     )
@@ -329,9 +329,12 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
 
 
 def _num_gateway_processes(settings: TandemSettings, stack: Stack) -> int:
-    """``--gateway-workers``, else the cores left over by the managed workers' bindings."""
+    """``--gateway-workers``, else the cores left over by the managed workers' bindings (1
+    with the planner on: it sees one process's load)."""
     if settings.gateway_workers is not None:
         return settings.gateway_workers
+    if settings.planner != "off":
+        return 1
     num_managed = sum(
         1 for pool in stack.supervisor.pools() for status in pool.status() if status.managed
     )

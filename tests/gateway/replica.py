@@ -9,6 +9,7 @@ failing test leaves no process behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -86,10 +87,12 @@ def gateway_process(
     decode_urls: list[str],
     served_model_name: str,
     env: dict[str, str],
+    gateway_workers: int = 1,
 ) -> Iterator[Process]:
     """``tandem up`` over external decode engines only (no managed workers, no prefill pool),
-    with the ``TANDEM_*`` settings in ``env``. Yields at once, so several gateways boot in
-    parallel: ``wait_ready`` each before use."""
+    with the ``TANDEM_*`` settings in ``env``, as ``gateway_workers`` processes on its port (one
+    unless asked: a test of replicas starts each as its own ``tandem up``). Yields at once, so
+    several gateways boot in parallel: ``wait_ready`` each before use."""
     executable = Path(sys.executable).with_name("tandem")
     if not executable.exists():
         raise RuntimeError(f"{executable} is missing: install the project (scripts/install)")
@@ -100,6 +103,7 @@ def gateway_process(
         "--decode-workers", "0",
         "--served-model-name", served_model_name,
         "--port", str(port),
+        "--gateway-workers", str(gateway_workers),
     ]  # fmt: skip
     for url in decode_urls:
         argv += ["--decode-url", url]
@@ -163,6 +167,22 @@ def _wait_http_ok(process: Process, path: str) -> None:
                 + process.log_tail()
             )
         time.sleep(0.05)
+
+
+def process_urls(process: Process, state_dir: Path, count: int) -> list[str]:
+    """Each gateway process's own address (``tandem up --gateway-workers``), by index, once
+    ``tandem up`` has listed ``count`` of them as started (``state_dir/gateway-processes.json``)."""
+    path = state_dir / "gateway-processes.json"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not path.exists():
+        if process.popen.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{process.name} listed no gateway processes:\n" + process.log_tail()
+            )
+        time.sleep(0.05)
+    rows = json.loads(path.read_text())["processes"]
+    assert len(rows) == count, rows
+    return [str(row["url"]) for row in sorted(rows, key=lambda row: row["index"])]
 
 
 ADMIN_KEY = "replicas-admin-key"

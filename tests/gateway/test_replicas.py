@@ -1,8 +1,16 @@
-"""Two gateway replicas sharing one Redis: token quotas, keys and plans hold across processes.
+"""Two gateway replicas sharing one Redis: token quotas, keys and plans, fairness and
+idempotency hold across processes.
 
-Every process is real: a private ``redis-server``, one fake decode engine and two ``tandem up``
-gateways (``TANDEM_REDIS_URL`` the same, no managed workers). Tenants are created on replica A
-and used through both.
+Every process is real, in two arrangements (the module's fixture runs each test in both):
+
+- ``two-ups``: a private ``redis-server``, one fake decode engine and two ``tandem up``
+  gateways on two ports (``TANDEM_REDIS_URL`` the same, no managed workers); tenants are
+  created on replica A and used through both;
+- ``one-up-two-processes``: one ``tandem up --gateway-workers 2`` over the fake engine, with no
+  ``TANDEM_REDIS_URL``: its two processes share the ``redis-server`` it starts, and one port.
+  A and B are that port (the kernel picks the process per connection; responses name it in
+  ``x-tandem-gateway-process``), and each process's own address serves what must reach one
+  process (its ``/metrics``, a key cached there).
 
 Token accounting is exact by construction, so the checks can be tight:
 
@@ -25,7 +33,9 @@ import random
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +43,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.assembly.gateway_processes import PROCESS_HEADER
 from tests.gateway.replica import (
     ADMIN_KEY,
     Process,
@@ -40,6 +51,7 @@ from tests.gateway.replica import (
     create_tenant,
     fake_engine_process,
     gateway_process,
+    process_urls,
     seconds_until,
     wait_ready,
 )
@@ -85,36 +97,70 @@ PROPAGATION_S = 1.0
 class Replicas:
     a: Process
     b: Process
+    processes: tuple[str, str]
+    """Each gateway process's own address: A's and B's, or processes 0 and 1 of one port."""
+    one_port: bool
+
+    def served_by(self, client_side: str, headers: httpx.Headers) -> str:
+        """Which process answered: the replica the client called, or with one port the one
+        the response names."""
+        return headers[PROCESS_HEADER] if self.one_port else client_side
 
 
-@pytest.fixture(scope="module")
-def replicas() -> Iterator[Replicas]:
-    """Redis, a fake decode engine and two gateway processes, torn down even on failure."""
+@pytest.fixture(scope="module", params=["two-ups", "one-up-two-processes"])
+def replicas(request: pytest.FixtureRequest) -> Iterator[Replicas]:
+    """A fake decode engine and two gateway processes over one Redis, torn down even on
+    failure."""
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-replicas-"))
     try:
-        with (
-            running_redis() as redis,
-            fake_engine_process(
-                log_dir, name="engine", served_model_name=MODEL, output_tokens=OUTPUT_WORDS
-            ) as engine,
-        ):
-            env = {"TANDEM_REDIS_URL": redis.url, "TANDEM_ADMIN_KEY": ADMIN_KEY}
-            gateways = [
-                gateway_process(
-                    log_dir,
-                    name=name,
-                    decode_urls=[engine.base_url],
-                    served_model_name=MODEL,
-                    env={**env, "TANDEM_STATE_DIR": str(log_dir / f"state-{name}")},
-                )
-                for name in ("gateway-a", "gateway-b")
-            ]
-            with gateways[0] as a, gateways[1] as b:
-                wait_ready(a)
-                wait_ready(b)
-                yield Replicas(a, b)
+        with fake_engine_process(
+            log_dir, name="engine", served_model_name=MODEL, output_tokens=OUTPUT_WORDS
+        ) as engine:
+            if request.param == "two-ups":
+                with _two_ups(log_dir, engine.base_url) as replicas:
+                    yield replicas
+            else:
+                with _one_up_two_processes(log_dir, engine.base_url) as replicas:
+                    yield replicas
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@contextmanager
+def _two_ups(log_dir: Path, engine_url: str) -> Iterator[Replicas]:
+    with running_redis() as redis:
+        env = {"TANDEM_REDIS_URL": redis.url, "TANDEM_ADMIN_KEY": ADMIN_KEY}
+        gateways = [
+            gateway_process(
+                log_dir,
+                name=name,
+                decode_urls=[engine_url],
+                served_model_name=MODEL,
+                env={**env, "TANDEM_STATE_DIR": str(log_dir / f"state-{name}")},
+            )
+            for name in ("gateway-a", "gateway-b")
+        ]
+        with gateways[0] as a, gateways[1] as b:
+            wait_ready(a)
+            wait_ready(b)
+            yield Replicas(a, b, (a.base_url, b.base_url), one_port=False)
+
+
+@contextmanager
+def _one_up_two_processes(log_dir: Path, engine_url: str) -> Iterator[Replicas]:
+    state_dir = log_dir / "state"
+    env = {"TANDEM_ADMIN_KEY": ADMIN_KEY, "TANDEM_STATE_DIR": str(state_dir)}
+    with gateway_process(
+        log_dir,
+        name="gateway",
+        decode_urls=[engine_url],
+        served_model_name=MODEL,
+        env=env,
+        gateway_workers=2,
+    ) as gateway:
+        wait_ready(gateway)
+        first, second = process_urls(gateway, state_dir, 2)
+        yield Replicas(gateway, gateway, (first, second), one_port=True)
 
 
 def completion_body(*, stream: bool = False) -> dict[str, object]:
@@ -139,7 +185,8 @@ class TenantTally:
     tpm: int
     key: str
     admitted_tokens: int = 0
-    num_ok: dict[str, int] = field(default_factory=lambda: {"a": 0, "b": 0})
+    num_ok: Counter[str] = field(default_factory=Counter)
+    """Successes by the process that served them (``Replicas.served_by``)."""
     num_429: int = 0
     others: list[str] = field(default_factory=list)
     """Any outcome but 200 or 429: status and body, for the failure message."""
@@ -180,6 +227,7 @@ async def _one_request(
 
 
 async def _client_loop(
+    replicas: Replicas,
     tally: TenantTally,
     client: httpx.AsyncClient,
     replica: str,
@@ -200,7 +248,7 @@ async def _client_loop(
             if (usage["prompt_tokens"], usage["total_tokens"]) != (PROMPT_TOKENS, USED):
                 tally.others.append(f"{replica} 200 with unexpected usage {usage}")
             tally.admitted_tokens += usage["total_tokens"]
-            tally.num_ok[replica] += 1
+            tally.num_ok[replicas.served_by(replica, headers)] += 1
         elif status == 429 and "retry-after-ms" in headers:
             tally.num_429 += 1
             wait_s = min(int(headers["retry-after-ms"]) / 1000, MAX_RETRY_WAIT_S)
@@ -262,12 +310,12 @@ async def test_two_replicas_keep_each_tenant_within_its_tpm(replicas: Replicas) 
                     stream = j % 4 == 1
                     persistent = j <= math.ceil(tally.tpm / TPM_PER_PERSISTENT_CLIENT)
                     group.create_task(
-                        _client_loop(tally, client, replica, stream, stop_at, persistent)
+                        _client_loop(replicas, tally, client, replica, stream, stop_at, persistent)
                     )
         elapsed_s = time.monotonic() - started
 
     async with admin_client(replicas.b) as admin_b:
-        metrics = [await scrape_metrics(admin_b, replica) for replica in (replicas.a, replicas.b)]
+        metrics = [await scrape_metrics(admin_b, url) for url in replicas.processes]
         for t in tallies:
             usage = (await admin_b.get(f"/admin/v1/tenants/{t.name}/usage")).json()
             t.given_tokens = t.tpm + t.tpm / 60 * (time.monotonic() - started)
@@ -282,7 +330,7 @@ async def test_two_replicas_keep_each_tenant_within_its_tpm(replicas: Replicas) 
             f"{t.name} tpm={t.tpm:>6} bound={t.bound:>6.0f} admitted={t.admitted_tokens:>6} "
             f"({t.admitted_tokens / t.bound:.3f}) +left={t.remaining_tokens:>5} "
             f"({(t.admitted_tokens + t.remaining_tokens) / t.given_tokens:.3f} of given) "
-            f"ok a/b={t.num_ok['a']}/{t.num_ok['b']} 429s={t.num_429}"
+            f"ok by process={dict(sorted(t.num_ok.items()))} 429s={t.num_429}"
         )
     ratios = [t.admitted_tokens / t.bound for t in tallies]
     report = (
@@ -311,15 +359,15 @@ async def test_two_replicas_keep_each_tenant_within_its_tpm(replicas: Replicas) 
         assert charged == t.admitted_tokens, f"{t.name}: gateways charged {charged}\n{report}"
         assert t.holds == 0, f"{t.name}: {t.holds} concurrency holds never released"
     assert store_errors == [0, 0], report
-    # Both replicas served: the shared counters, not one gateway, did the limiting.
-    assert sum(t.num_ok["a"] for t in tallies) > 0
-    assert sum(t.num_ok["b"] for t in tallies) > 0
+    # Both processes served: the shared counters, not one gateway, did the limiting.
+    served = sum((t.num_ok for t in tallies), Counter[str]())
+    assert set(served) == ({"0", "1"} if replicas.one_port else {"a", "b"}), served
 
 
-async def scrape_metrics(client: httpx.AsyncClient, replica: Process) -> dict[str, float]:
-    """A replica's Prometheus samples: ``name{label=value,...}`` -> value, and each metric's
-    total over its label sets under its bare sample name."""
-    text = (await client.get(f"{replica.base_url}/metrics")).text
+async def scrape_metrics(client: httpx.AsyncClient, process_url: str) -> dict[str, float]:
+    """A gateway process's Prometheus samples: ``name{label=value,...}`` -> value, and each
+    metric's total over its label sets under its bare sample name."""
+    text = (await client.get(f"{process_url}/metrics")).text
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -331,10 +379,11 @@ async def scrape_metrics(client: httpx.AsyncClient, replica: Process) -> dict[st
 
 async def test_revocation_and_plan_changes_reach_the_other_replica(replicas: Replicas) -> None:
     """A key revoked and a plan changed through replica A take effect on replica B within a
-    second, even though B had just cached the key and its tenant."""
+    second, even though B had just cached the key and its tenant (B: its own address, so the
+    key is cached in the process that must see the change)."""
     async with (
         admin_client(replicas.a) as admin_a,
-        httpx.AsyncClient(base_url=replicas.b.base_url, timeout=10.0) as on_b,
+        httpx.AsyncClient(base_url=replicas.processes[1], timeout=10.0) as on_b,
     ):
         key_id, key = await create_tenant(admin_a, "revoked", tpm=1_000_000)
         assert await auth_status(on_b, key) == 400  # B caches the key as valid
@@ -384,3 +433,68 @@ async def test_revocation_and_plan_changes_reach_the_other_replica(replicas: Rep
 
         await seconds_until(b_serves_again, PROPAGATION_S)
         assert last[0].headers["x-ratelimit-limit-tokens"] == "1000000"
+
+
+async def test_an_answer_given_by_one_process_is_replayed_by_the_other(
+    replicas: Replicas,
+) -> None:
+    """An ``Idempotency-Key`` answered by process A is replayed by process B, unchanged and
+    not charged again; B refuses the key with another body (the store is shared, not each
+    process's own)."""
+    first_url, second_url = replicas.processes
+    async with admin_client(replicas.a) as admin:
+        _, key = await create_tenant(admin, "idempotent", tpm=1_000_000)
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "replicas-1"}
+    async with (
+        httpx.AsyncClient(base_url=first_url, timeout=30.0) as on_a,
+        httpx.AsyncClient(base_url=second_url, timeout=30.0) as on_b,
+    ):
+        answered = await on_a.post("/v1/completions", json=completion_body(), headers=headers)
+        assert answered.status_code == 200, answered.text
+        replayed = await on_b.post("/v1/completions", json=completion_body(), headers=headers)
+        assert replayed.status_code == 200, replayed.text
+        assert replayed.headers.get("idempotent-replayed") == "true"
+        assert replayed.json() == answered.json()
+        other = {**completion_body(), "max_tokens": MAX_TOKENS - 1}
+        refused = await on_b.post("/v1/completions", json=other, headers=headers)
+        assert refused.status_code == 422, refused.text
+        charged = [
+            (await scrape_metrics(on_a, url)).get(
+                "tandem_tenant_tokens_total{tenant=idempotent}", 0
+            )
+            for url in replicas.processes
+        ]
+    assert sum(charged) == USED, f"charged {charged} by process, once is {USED}"
+
+
+async def test_service_on_one_process_counts_for_fairness_on_the_other(
+    replicas: Replicas,
+) -> None:
+    """A tenant served mostly by process A ranks by all of that service on process B too: B's
+    fairness counter for it reaches A's within a second (shared every 100 ms through Redis);
+    counters kept per process would leave B's at its one request's worth, a third of A's."""
+    first_url, second_url = replicas.processes
+    async with admin_client(replicas.a) as admin:
+        _, key = await create_tenant(admin, "fair", tpm=1_000_000)
+        headers = {"Authorization": f"Bearer {key}"}
+        # One request on B first: a process shares the counters of the tenants it tracks.
+        for url, num_requests in ((second_url, 1), (first_url, 3)):
+            async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
+                for _ in range(num_requests):
+                    served = await client.post(
+                        "/v1/completions", json=completion_body(), headers=headers
+                    )
+                    assert served.status_code == 200, served.text
+
+        async def counter(url: str) -> float:
+            usage = await admin.get(f"{url}/admin/v1/tenants/fair/usage")
+            return float(usage.json()["fairness_counter_here"] or 0.0)
+
+        here = await counter(first_url)
+        assert here > 0
+
+        async def other_caught_up() -> bool:
+            return await counter(second_url) >= 0.99 * here
+
+        took_s = await seconds_until(other_caught_up, PROPAGATION_S)
+        print(f"fairness counter {here:.0f} reached the other process after {took_s:.2f} s")
