@@ -87,12 +87,14 @@ def gateway_process(
     decode_urls: list[str],
     served_model_name: str,
     env: dict[str, str],
-    gateway_workers: int = 1,
+    gateway_workers: int | None = 1,
+    cores: set[int] | None = None,
 ) -> Iterator[Process]:
     """``tandem up`` over external decode engines only (no managed workers, no prefill pool),
     with the ``TANDEM_*`` settings in ``env``, as ``gateway_workers`` processes on its port (one
     unless asked: a test of replicas starts each as its own ``tandem up``). Yields at once, so
-    several gateways boot in parallel: ``wait_ready`` each before use."""
+    several gateways boot in parallel: ``wait_ready`` each before use. ``gateway_workers``
+    None: ``tandem up``'s default; ``cores``: the only cores it may run on (as ``taskset``)."""
     executable = Path(sys.executable).with_name("tandem")
     if not executable.exists():
         raise RuntimeError(f"{executable} is missing: install the project (scripts/install)")
@@ -103,27 +105,34 @@ def gateway_process(
         "--decode-workers", "0",
         "--served-model-name", served_model_name,
         "--port", str(port),
-        "--gateway-workers", str(gateway_workers),
     ]  # fmt: skip
+    if gateway_workers is not None:
+        argv += ["--gateway-workers", str(gateway_workers)]
     for url in decode_urls:
         argv += ["--decode-url", url]
     # Settings come from the environment: start from a clean slate so an operator's own
     # TANDEM_* variables cannot leak into the test's gateways.
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     child_env |= {"TANDEM_LOG_DIR": str(log_dir), **env}
-    with _child(name, argv, child_env, log_dir) as popen:
+    with _child(name, argv, child_env, log_dir, cores) as popen:
         yield Process(name, popen, f"http://127.0.0.1:{port}", log_dir / f"{name}.log")
 
 
 @contextmanager
 def _child(
-    name: str, argv: list[str], env: dict[str, str], log_dir: Path
+    name: str, argv: list[str], env: dict[str, str], log_dir: Path, cores: set[int] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     # Output goes to a file, not a pipe: nobody reads a pipe while the test runs, and a full
     # pipe would block the child's logging (uvicorn logs every request).
     with (log_dir / f"{name}.log").open("wb") as log:
         popen = subprocess.Popen(
-            argv, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            argv,
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores),
         )
     try:
         yield popen
