@@ -52,7 +52,15 @@ from bench.overhead.trace_cost import (
     run_tracing,
 )
 
-TARGETS = ("direct", "relay", "tandem-2leg", "tandem-colocated", "tandem-policy", "litellm")
+TARGETS = (
+    "direct",
+    "relay",
+    "tandem-2leg",
+    "tandem-colocated",
+    "tandem-2proc",
+    "tandem-policy",
+    "litellm",
+)
 DEFAULT_LITELLM = Path(".venv-litellm/bin/litellm")
 T = TypeVar("T")
 

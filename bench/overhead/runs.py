@@ -169,6 +169,7 @@ async def _run_target(
             traffic_policy=name == "tandem-policy",
             auth=config.auth,
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
+            gateway_workers=2 if name == "tandem-2proc" else 1,  # tandem-colocated, 2 processes
         )
         server, api_key = start_tandem(setup, prefill.url, decode.url, MODEL, work_dir, cores)
     elif name == "relay":

@@ -57,9 +57,14 @@ class TandemSetup:
     same fake workers): every request pays for its version's resolution."""
     tracing: bool = False
     """Export every request's spans to the traces endpoint ``start_tandem`` is given."""
+    gateway_workers: int = 1
+    """Gateway processes on the one port (``tandem up --gateway-workers``); above 1 they share
+    the ``redis-server`` ``tandem up`` starts (its CPU counts: it is a child)."""
 
     @property
     def label(self) -> str:
+        if self.gateway_workers > 1:
+            return f"tandem-{self.gateway_workers}proc"
         if self.traffic_policy:
             base = "tandem-policy"
         else:
@@ -129,6 +134,7 @@ def start_tandem(
     argv = [
         sys.executable, "-m", "gateway.cli", "up", "--prefill-url", prefill_url,
         "--decode-url", decode_url, "--port", str(port),
+        "--gateway-workers", str(setup.gateway_workers),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     server = start_python_server(name, argv, url, "/ready", work_dir, cores, env)
