@@ -34,8 +34,8 @@ class StreamEnd:
 
     error: TandemError | None = None
 
-    def payload(self) -> str:
-        return "[DONE]" if self.error is None else orjson.dumps(self.error.to_body()).decode()
+    def payload(self) -> bytes:
+        return b"[DONE]" if self.error is None else orjson.dumps(self.error.to_body())
 
 
 Chunk = dict[str, Any]
@@ -92,9 +92,9 @@ class LiveStream:
     async def quota_answered(self) -> None:
         await self._head.quota_answered()
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[bytes]:
         async for item in self._run:
-            yield item.payload() if isinstance(item, StreamEnd) else orjson.dumps(item).decode()
+            yield item.payload() if isinstance(item, StreamEnd) else orjson.dumps(item)
 
     async def aclose(self) -> None:
         await self._run.aclose()

@@ -43,7 +43,7 @@ from core.messages import Endpoint
 from core.request import Request
 from gateway.serving.events import ResponseHead, Run, StreamEnd, answer_of
 from gateway.serving.replay import StreamAssembler, rechunk
-from gateway.serving.sse import OpenAIEventStream
+from gateway.serving.sse import EventStream
 
 log = logging.getLogger("tandem.requests")
 
@@ -144,7 +144,7 @@ class IdempotentRuns:
         # The key is settled before the client hears how its request ended (the error status,
         # or the last event: [DONE] or the error event), so a client that retries at once
         # finds the answer stored or the key free, never a 409 for a request that is over.
-        last: str | None = None
+        last: bytes | None = None
         try:
             try:
                 await anext(run)  # OPENED
@@ -164,7 +164,7 @@ class IdempotentRuns:
                     continue
                 assert isinstance(item, dict)
                 tee.assembler.add(item)
-                last = orjson.dumps(item).decode()
+                last = orjson.dumps(item)
         except BaseException as exc:
             if not tee.opened.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -235,12 +235,12 @@ class TeeSource:
     async def quota_answered(self) -> None:
         await self._head.quota_answered()
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[bytes]:
         queue = self._queue
         if queue is None:
             return
         while (payload := await queue.get()) is not _END:
-            assert isinstance(payload, str)
+            assert isinstance(payload, bytes)
             yield payload
 
     async def aclose(self) -> None:
@@ -262,13 +262,13 @@ def replay_response(
             headers=headers,
         )  # fmt: skip
     chunks = rechunk(orjson.loads(stored.body), endpoint, include_usage=include_usage)
-    return OpenAIEventStream(_replayed(chunks), headers, 0, _nothing)
+    return EventStream(_replayed(chunks), headers, 0, _nothing)
 
 
-async def _replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[str]:
+async def _replayed(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in chunks:
-        yield orjson.dumps(chunk).decode()
-    yield "[DONE]"
+        yield orjson.dumps(chunk)
+    yield b"[DONE]"
 
 
 async def _nothing() -> None:

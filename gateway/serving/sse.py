@@ -9,25 +9,37 @@ comments while it waits; an error after that is one ``data: {"error": ...}`` eve
 however slow that is (the store's own timeout bounds it): the rate-limit headers are in every
 committed stream, and a quota refusal is always an HTTP 429. Never ``event:``, ``id:`` or
 ``retry:`` lines: the Python SDK chokes on them.
+
+``EventStream`` writes the stream itself rather than through sse-starlette's
+``EventSourceResponse``, which runs a task group of four tasks and a cancel scope around every
+send for each response: that machinery was a third of the gateway's CPU per streamed request
+(``bench/overhead``; ``docs/ARCHITECTURE.md``, "The hot path"). It keeps the same wire: ``\\n``
+separators, ``: ping`` heartbeats, the same headers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol
 
 import orjson
 from fastapi.responses import Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from core.errors import TandemError
 
 log = logging.getLogger("tandem.requests")
 
-PING = ServerSentEvent(comment="ping", sep="\n")  # sse-starlette's default separator is \r\n
+HEARTBEAT = b": ping\n\n"
+"""An SSE comment: clients and proxies see bytes, the SDKs skip it."""
+
+_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+    "X-Accel-Buffering": "no",  # nginx would otherwise buffer the stream
+}
 
 
 class StreamSource(Protocol):
@@ -41,38 +53,131 @@ class StreamSource(Protocol):
         """Returns once ``headers`` hold the quota's answer (or admission ended otherwise)."""
         ...
 
-    def events(self) -> AsyncIterator[str]: ...
+    def events(self) -> AsyncIterator[bytes]:
+        """Each event's payload: one line of JSON, or ``[DONE]``."""
+        ...
 
     async def aclose(self) -> None: ...
 
 
-class OpenAIEventStream(EventSourceResponse):
-    """``\\n`` separators and ``: ping`` heartbeats (``ping_interval_s`` 0 turns them off).
+def frame(payload: bytes) -> bytes:
+    """One SSE event carrying ``payload``. A payload with line breaks (never orjson's JSON)
+    becomes one ``data:`` line per line, as the SSE spec frames it."""
+    if b"\n" in payload or b"\r" in payload:
+        lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        return b"".join([b"data: " + line + b"\n" for line in lines]) + b"\n"
+    return b"data: " + payload + b"\n\n"
 
-    ``on_close`` is awaited however the response ends, even if the client left before the
-    first event (then the body generator never runs, so its own cleanup could not)."""
+
+class EventStream(Response):
+    """A ``text/event-stream`` response: each payload of ``events`` as one ``data:`` event,
+    and a heartbeat every ``ping_interval_s`` (0: none) from a timer, not a task.
+
+    The handler's own task writes the events. One task per response waits for the client to
+    hang up and then cancels the handler, which ends ``events`` where it is suspended (the
+    request is aborted, as a client that leaves must see). ``on_close`` is awaited however the
+    response ends, even if the client left before the first event (then ``events`` never ran,
+    so its own cleanup could not). ``heartbeat_first`` sends one heartbeat with the headers:
+    a stream committed before its first token says at once that it is alive.
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(
         self,
-        events: AsyncIterator[str | ServerSentEvent],
-        headers: dict[str, str],
+        events: AsyncIterator[bytes],
+        headers: Mapping[str, str],
         ping_interval_s: float,
         on_close: Callable[[], Awaitable[None]],
+        *,
+        heartbeat_first: bool = False,
     ) -> None:
-        super().__init__(
-            events,
-            sep="\n",
-            ping=ping_interval_s,
-            ping_message_factory=lambda: PING,
-            headers={"Cache-Control": "no-cache", **headers},
-        )
+        self.status_code = 200
+        self.background = None
+        self.init_headers({**_HEADERS, **headers})
+        self._events = events
+        self._ping_interval_s = ping_interval_s
         self._on_close = on_close
+        self._heartbeat_first = heartbeat_first
+        self._streaming = False
+        self._client_left = False
+        self._send: Send | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._pinging: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._send = send
+        self._streaming = True
+        watcher = asyncio.ensure_future(self._until_client_leaves(receive, handler))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if self._heartbeat_first:
+                await send(_body(HEARTBEAT))
+            self._arm_heartbeat()
+            async for payload in self._events:
+                await send(_body(frame(payload)))
+            await self._stop_streaming()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            # The client left (the watcher cancelled us): the response is over, not failed.
+            # Any other cancellation (the server stopping) goes on up.
+            if not self._client_left or handler.uncancel() > 0:
+                raise
         finally:
-            await self._on_close()
+            watcher.cancel()
+            await self._stop_streaming()
+            try:
+                await _aclose(self._events)
+            finally:
+                await self._on_close()
+
+    async def _until_client_leaves(self, receive: Receive, handler: asyncio.Task[None]) -> None:
+        # The body was read before the response started: the next message is the disconnect.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._streaming:
+            self._client_left = True
+            handler.cancel()
+
+    def _arm_heartbeat(self) -> None:
+        if self._ping_interval_s > 0 and self._streaming:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._ping_interval_s, self._heartbeat_due)
+
+    def _heartbeat_due(self) -> None:
+        if self._streaming:
+            self._pinging = asyncio.ensure_future(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        assert self._send is not None
+        try:
+            await self._send(_body(HEARTBEAT))
+        except OSError as exc:  # the events' next send meets the same failure and ends it
+            log.debug("heartbeat not sent: %r", exc)
+            return
+        self._arm_heartbeat()
+
+    async def _stop_streaming(self) -> None:
+        """No heartbeat after this: the last message of a response must be the last sent."""
+        self._streaming = False
+        if self._timer is not None:
+            self._timer.cancel()
+        pinging, self._pinging = self._pinging, None
+        if pinging is not None and not pinging.done():
+            pinging.cancel()
+            await asyncio.wait((pinging,))
+
+
+def _body(chunk: bytes) -> Message:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
+
+
+async def _aclose(events: AsyncIterator[bytes]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response:
@@ -97,23 +202,26 @@ async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response
         except BaseException:
             await source.aclose()
             raise
-        return OpenAIEventStream(source.events(), source.headers, ping_interval_s, source.aclose)
-    return OpenAIEventStream(
-        _after_opening(opening, source), source.headers, ping_interval_s, source.aclose
+        return EventStream(source.events(), source.headers, ping_interval_s, source.aclose)
+    return EventStream(
+        _after_opening(opening, source),
+        source.headers,
+        ping_interval_s,
+        source.aclose,
+        heartbeat_first=True,
     )
 
 
 async def _after_opening(
     opening: asyncio.Future[None], source: StreamSource
-) -> AsyncIterator[str | ServerSentEvent]:
-    """A committed stream whose request is still queued or prefilling: a heartbeat now (the
-    periodic ones follow), then the events, or the error as one event."""
-    yield PING
+) -> AsyncIterator[bytes]:
+    """A committed stream whose request is still queued or prefilling: the events once it
+    opens, or the error as one event."""
     try:
         await asyncio.shield(opening)
     except TandemError as exc:
         log.info("stream failed before its first token: %s (%s)", exc.message, exc.code)
-        yield orjson.dumps(exc.to_body()).decode()
+        yield orjson.dumps(exc.to_body())
         return
     except asyncio.CancelledError:
         await _cancel(opening)  # the client left: leave the queue or abort the leg now

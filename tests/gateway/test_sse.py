@@ -49,9 +49,9 @@ class ScriptedSource:
     async def quota_answered(self) -> None:
         await self._answered.wait()
 
-    async def events(self) -> AsyncIterator[str]:
-        yield '{"choices": []}'
-        yield "[DONE]"
+    async def events(self) -> AsyncIterator[bytes]:
+        yield b'{"choices": []}'
+        yield b"[DONE]"
 
     async def aclose(self) -> None:
         self.closed = True
