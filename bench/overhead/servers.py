@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,8 @@ def start_tandem(
     url = f"http://127.0.0.1:{port}"
     server = start_python_server(name, argv, url, "/ready", work_dir, cores, env)
     try:
+        if setup.gateway_workers > 1:
+            _wait_for_processes(state_dir / "gateway-processes.json", server)
         if setup.traffic_policy:
             install_policy(
                 url, prefill_url if setup.two_legs else None, decode_url, model, state_dir
@@ -147,6 +150,16 @@ def start_tandem(
     except (httpx.HTTPError, StartError):
         server.stop()
         raise
+
+
+def _wait_for_processes(listing: Path, server: Server, timeout_s: float = 120.0) -> None:
+    """Until ``tandem up`` lists every gateway process as started (it answers ``/ready``
+    before the others have booted: their boot must not count as idle CPU or load)."""
+    deadline = time.monotonic() + timeout_s
+    while not listing.exists():
+        if time.monotonic() > deadline:
+            raise StartError(f"{server.name}: its gateway processes did not start")
+        time.sleep(0.1)
 
 
 def install_policy(
