@@ -169,9 +169,9 @@ def add_commands(commands: Any) -> None:
         dest="gateway_workers",
         metavar="N",
         help="gateway processes serving the one port (default: the cores available minus those "
-        "the managed workers are bound to, at least 1; 1 with TANDEM_PLANNER on); above 1 they share quotas, fairness, "
-        "idempotency and versions through Redis: TANDEM_REDIS_URL, else a redis-server "
-        "tandem up starts (its data in the state dir)",
+        "the managed workers are bound to, at least 1; 1 with TANDEM_PLANNER on); above 1 they "
+        "share quotas, fairness, idempotency and versions through Redis: TANDEM_REDIS_URL, else "
+        "a redis-server tandem up starts (its data in the state dir)",
     )
     up.add_argument("--max-model-len", type=int)
     up.add_argument(
