@@ -1,4 +1,18 @@
-"""vLLM ``--kv-transfer-config`` for each worker role, generated in one place for CPU and GPU."""
+"""vLLM ``--kv-transfer-config`` and the environment for each worker role, generated in one place
+for CPU and GPU.
+
+Which UCX transport moves the KV is UCX's choice, per pair of workers: it opens an endpoint with
+each transport that reaches the peer and picks the fastest for each operation. With UCX's default
+transport list (``all``), a decode worker's READs from a prefill worker on the same host go over
+CMA (``process_vm_readv``, one kernel copy), and to one on another host over RDMA or TCP; only
+small messages (handshake, notifications) go over TCP loopback. Measured in
+``bench/kv_transfer/ucx_transports.py`` (issue 24): on one host, READs of a 1k-4k-token prompt's
+KV ran at 3-4 GB/s under the default list (CMA), 0.3-0.9 GB/s restricted to ``tcp``. POSIX and
+SysV shared memory cannot serve NIXL: NIXL asks for peer failure handling, which they lack, and
+they cannot read memory UCX did not allocate, so a list of shared-memory transports alone fails
+when the backend starts. Where CMA is not permitted (Yama ``ptrace_scope`` 2 or 3, a seccomp
+filter), UCX finds out when it starts and leaves it out: transfers take TCP, they do not fail.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +30,10 @@ class KvBufferDevice(enum.StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
 
+
+_SHARED_MEMORY_ONLY = frozenset(
+    {"sm", "shm", "mm", "posix", "sysv", "cma", "knem", "xpmem", "self"}
+)
 
 DEFAULT_KV_LEASE_S = 10
 """The KV lease workers and the gateway use unless configured (vLLM's own is 30 s)."""
@@ -45,6 +63,28 @@ class ConnectorConfig:
     """Poll timeout of NIXL's UCX progress thread, in µs (``kv_transfer.nixl_progress``).
     NIXL's own is 0, a busy poll that keeps a core at 100 % on every idle worker; the thread is
     woken by transfers either way, so the delay only bounds NIXL's safety-net wake-ups."""
+    ucx_transports: str | None = None
+    """UCX transports the workers may use (their ``UCX_TLS``, e.g. ``cma,tcp``); None leaves
+    UCX's default, every transport it finds, which picks per pair of workers: CMA on one host,
+    RDMA or TCP across hosts, CUDA IPC between GPUs (see the module docstring). A list must
+    hold a transport that carries messages (``tcp`` or an RDMA one): shared memory alone fails
+    when NIXL's backend starts."""
+
+    def __post_init__(self) -> None:
+        if self.ucx_transports is None:
+            return
+        names = {name.strip() for name in self.ucx_transports.split(",")}
+        if names <= {""}:
+            raise ValueError(
+                "ucx_transports is empty: leave it unset for UCX's default, or list transports "
+                "(UCX_TLS), e.g. 'cma,tcp'"
+            )
+        if not self.ucx_transports.startswith("^") and names <= _SHARED_MEMORY_ONLY:
+            raise ValueError(
+                f"ucx_transports={self.ucx_transports!r} has only shared-memory transports, "
+                "which NIXL cannot use for its messages (its endpoints need peer failure "
+                "handling): add 'tcp' (or an RDMA transport), e.g. 'cma,tcp', or leave it unset"
+            )
 
 
 _ROLE_TO_KV_ROLE = {WorkerRole.PREFILL: "kv_producer", WorkerRole.DECODE: "kv_consumer"}
@@ -66,8 +106,9 @@ def kv_transfer_config(role: WorkerRole, config: ConnectorConfig) -> dict[str, A
 
 def connector_env(config: ConnectorConfig, host: str, side_channel_port: int) -> dict[str, str]:
     """Environment a worker needs for its connector: where its NIXL side channel listens for
-    the KV handshake, and the progress-thread delay."""
-    return {
+    the KV handshake, the progress-thread delay, and the UCX transports where configured (else
+    the worker keeps any ``UCX_TLS`` it inherits, or UCX's default)."""
+    env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         DELAY_ENV: str(config.progress_delay_us),
@@ -75,3 +116,6 @@ def connector_env(config: ConnectorConfig, host: str, side_channel_port: int) ->
         # that applies the delay imports NIXL first, so the same value is given here.
         "UCX_RCACHE_MAX_UNRELEASED": "1024",
     }
+    if config.ucx_transports is not None:
+        env["UCX_TLS"] = config.ucx_transports
+    return env
