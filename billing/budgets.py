@@ -40,7 +40,9 @@ class BudgetStatus:
 class BudgetGuard:
     """In-memory view of every tenant's monthly spend; mutated on the event loop only."""
 
-    def __init__(self, month: str) -> None:
+    def __init__(self, month: str, *, shared: bool = False) -> None:
+        """``shared``: a shared counter (``billing/spend_sync.py``) exists; what this gateway
+        records is also kept as pending until the counter took it."""
         self.month = month
         self._accounts: dict[str, AccountSettings] = {}
         self._stored_spend: dict[str, int] = {}
@@ -49,6 +51,13 @@ class BudgetGuard:
         self._generation = 0
         self._fired: set[tuple[str, str, int]] = set()
         """(tenant, month, threshold) alerts already fired (here or by another gateway)."""
+        self._is_shared = shared
+        self._shared: dict[str, int] | None = None
+        """This month's totals as the shared counter last told them; None: not read yet."""
+        self._pending: list[tuple[int, str, int]] = []
+        """(sequence, tenant, micros) recorded this month, not yet taken by the counter."""
+        self._pending_by_tenant: dict[str, int] = {}
+        self._sequence = 0
 
     def set_accounts(self, accounts: Iterable[AccountSettings]) -> None:
         """Replace every tenant's settings (from the database or an admin change)."""
@@ -70,6 +79,17 @@ class BudgetGuard:
         local[tenant_id] = local.get(tenant_id, 0) + cost_micros
         if month != self.month:
             return []  # a straggler from last month: counted, but alerts are this month's
+        if self._is_shared and cost_micros:
+            self._pending.append((self._sequence, tenant_id, cost_micros))
+            self._sequence += 1
+            self._pending_by_tenant[tenant_id] = (
+                self._pending_by_tenant.get(tenant_id, 0) + cost_micros
+            )
+        return self._crossed(tenant_id)
+
+    def check(self, tenant_id: str) -> list[BudgetAlert]:
+        """Levels of one tenant crossed that have not fired (after the shared counter told of
+        another gateway's spend)."""
         return self._crossed(tenant_id)
 
     def check_all(self) -> list[BudgetAlert]:
@@ -83,11 +103,17 @@ class BudgetGuard:
         ]
 
     def spend(self, tenant_id: str) -> int:
-        """This month's spend of ``tenant_id`` as this gateway knows it."""
+        """This month's spend of ``tenant_id`` as this gateway knows it: the ledger's figure
+        plus what was recorded here since; with a shared counter, the larger of that and the
+        counter's total plus what here it has not taken yet (both miss no spend of this
+        gateway; the counter also has every other gateway's)."""
         total = self._stored_spend.get(tenant_id, 0)
         for (_, month), local in self._local.items():
             if month == self.month:
                 total += local.get(tenant_id, 0)
+        if self._shared is not None:
+            shared = self._shared.get(tenant_id, 0) + self._pending_by_tenant.get(tenant_id, 0)
+            total = max(total, shared)
         return total
 
     def status(self, tenant_id: str) -> BudgetStatus:
@@ -100,7 +126,7 @@ class BudgetGuard:
 
     def tenants(self) -> list[str]:
         """Tenants with settings or spend this month, sorted."""
-        known = set(self._accounts) | set(self._stored_spend)
+        known = set(self._accounts) | set(self._stored_spend) | set(self._shared or {})
         for (_, month), local in self._local.items():
             if month == self.month:
                 known |= set(local)
@@ -133,6 +159,55 @@ class BudgetGuard:
         self.month = month
         self._stored_spend = {}
         self._fired = {key for key in self._fired if key[1] == month}
+        self._shared = None
+        self._pending = []
+        self._pending_by_tenant = {}
+
+    # -- the shared counter (several gateways; ``billing/spend_sync.py`` calls these) -------
+
+    @property
+    def has_shared(self) -> bool:
+        """The shared counter's totals for this month were read."""
+        return self._shared is not None
+
+    def pending_mark(self) -> int:
+        """A mark: pending spend recorded before it is older than a flush started now."""
+        return self._sequence
+
+    def pending_batch(self) -> tuple[str, int, dict[str, int]]:
+        """This month, a mark after the pending spend, and that spend by tenant (to add to
+        the counter; ``settle_pending`` with the mark once it took it)."""
+        return self.month, self._sequence, dict(self._pending_by_tenant)
+
+    def pending_micros(self, tenant_id: str) -> int:
+        """Spend of ``tenant_id`` recorded here that the counter has not taken yet."""
+        return self._pending_by_tenant.get(tenant_id, 0)
+
+    def settle_pending(self, month: str, mark: int) -> None:
+        """Pending spend recorded before ``mark`` left: the counter took it (or was seeded from
+        a ledger that has it)."""
+        if month != self.month:
+            return
+        kept = [item for item in self._pending if item[0] >= mark]
+        self._pending = kept
+        self._pending_by_tenant = {}
+        for _, tenant_id, micros in kept:
+            self._pending_by_tenant[tenant_id] = self._pending_by_tenant.get(tenant_id, 0) + micros
+
+    def shared_loaded(self, month: str, totals: dict[str, int]) -> None:
+        """The counter's whole month, as just read."""
+        if month == self.month:
+            self._shared = dict(totals)
+
+    def shared_seen(self, month: str, tenant_id: str, total: int) -> bool:
+        """A total the counter reported (a reply or a message); totals only grow between reads,
+        so an older one arriving late changes nothing. True if it raised this gateway's view."""
+        if month != self.month or self._shared is None:
+            return False
+        if total <= self._shared.get(tenant_id, 0):
+            return False
+        self._shared[tenant_id] = total
+        return True
 
     def _crossed(self, tenant_id: str) -> list[BudgetAlert]:
         account = self.account(tenant_id)

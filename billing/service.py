@@ -5,7 +5,10 @@ record(record)            price it (the card in effect when it ended), count it 
 check_budget(tenant)      at admission: 429 insufficient_quota once this month's budget is spent
 refresher (task)          every ``refresh_interval_s``: flush, re-read spend, prices and
                           settings (other gateways' changes), store and announce new alerts,
-                          delete request-log entries past their retention
+                          delete request-log entries past their retention; with a shared spend
+                          counter, raise it to the ledger's figures or seed a missing month
+spend sync (tasks)        with a shared spend counter (Redis, several gateways): push this
+                          gateway's spend to it and follow the others' (``billing/spend_sync.py``)
 admin side                price cards, account settings, budget status, alerts, usage pages
 """
 
@@ -19,11 +22,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from billing.budgets import BudgetGuard, BudgetStatus
 from billing.cost import CostMeter, WorkerCost
 from billing.prices import PriceBook, PriceCard, PriceError
 from billing.records import UsageRecord, from_unix_us
+from billing.spend_redis import RedisSpend, SpendStoreUnavailable
+from billing.spend_sync import SpendSync
 from billing.sql_store import open_store
 from billing.store import (
     AccountSettings,
@@ -36,7 +42,7 @@ from billing.store import (
 )
 from billing.summaries import month_of
 from billing.writer import LedgerWriter, WriterConfig
-from core.errors import BudgetExhaustedError
+from core.errors import BudgetExhaustedError, StoreUnavailableError
 
 log = logging.getLogger("tandem.billing")
 
@@ -77,6 +83,12 @@ class BillingConfig:
     """Per-worker prices that differ from ``worker_micros_per_hour`` (by worker name)."""
     telemetry_interval_s: float = 5.0
     """How often GPUs (NVML) or the host are sampled for the workers' busy time."""
+    spend_store_failure: Literal["open", "closed"] = "open"
+    """With a shared spend counter that cannot be reached: ``open`` checks budgets against
+    this gateway's view (the ledger's last refresh plus its own spend), ``closed`` refuses
+    tenants that have a budget with 503 until it answers (the quota store's policy)."""
+    spend_store_retry_after_s: float = 2.0
+    """Retry hint on those 503s."""
 
     def worker_price(self, worker: str) -> int:
         """Micro-units per hour of ``worker``."""
@@ -103,7 +115,10 @@ class Billing:
         store: LedgerStore | None = None,
         cost_meter: CostMeter | None = None,
         clock_us: Callable[[], int] = now_us,
+        spend_store: RedisSpend | None = None,
     ) -> None:
+        """``spend_store``: the spend counter shared by several gateways (Redis); without it
+        budgets see other gateways' spend at each refresh only."""
         self.config = config
         self.store = store or open_store(config.database_url, config.sqlite_path)
         self.writer = LedgerWriter(
@@ -113,10 +128,18 @@ class Billing:
         self.cost_meter = cost_meter
         self._clock_us = clock_us
         self.prices = PriceBook()
-        self.budgets = BudgetGuard(month_key(clock_us()))
+        self._wake = asyncio.Event()
+        self.budgets = BudgetGuard(month_key(clock_us()), shared=spend_store is not None)
+        self.spend_sync = None
+        if spend_store is not None:
+            self.spend_sync = SpendSync(
+                spend_store,
+                self.budgets,
+                on_raised=self._on_shared_spend,
+                request_seed=self._wake.set,
+            )
         self.alert_stats = AlertStats()
         self._unannounced: list[BudgetAlert] = []
-        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_purge_us: int | None = None
 
@@ -154,6 +177,8 @@ class Billing:
         await self.writer.start()
         with contextlib.suppress(LedgerUnavailableError):
             await self.refresh()
+        if self.spend_sync is not None:
+            self.spend_sync.start()
         self._task = asyncio.create_task(self._run(), name="billing-refresher")
 
     async def aclose(self) -> None:
@@ -162,6 +187,8 @@ class Billing:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.spend_sync is not None:
+            await self.spend_sync.aclose()
         with contextlib.suppress(LedgerUnavailableError):
             await self._announce_alerts()
         await self.writer.aclose()
@@ -172,6 +199,16 @@ class Billing:
         """Refuse a tenant whose budget for this month is spent (429, not to be retried)."""
         self._roll_month()
         status = self.budgets.status(tenant_id)
+        if (
+            status.budget_micros is not None
+            and self.spend_sync is not None
+            and not self.spend_sync.up
+            and self.config.spend_store_failure == "closed"
+        ):
+            raise StoreUnavailableError(
+                "Budget checks are temporarily unavailable; retry shortly.",
+                retry_after_s=self.config.spend_store_retry_after_s,
+            )
         if status.exhausted and status.budget_micros is not None:
             raise BudgetExhaustedError(
                 f"You exceeded your monthly budget ({_money(status.budget_micros)} "
@@ -217,6 +254,8 @@ class Billing:
         self._queue_alerts(
             self.budgets.add(record.tenant_id, month_key(record.finished_at_us), record.cost_micros)
         )
+        if self.spend_sync is not None:
+            self.spend_sync.wake()
         if self.cost_meter is not None:
             self.cost_meter.observe_tokens(
                 record.deployment, record.model_version, record.total_tokens, record.cost_micros
@@ -294,10 +333,16 @@ class Billing:
         month = self.budgets.month
         period = month_of(now)  # the month of `month`, even if it turns during the flush
         generation = self.budgets.begin_refresh()
+        mark = self.budgets.pending_mark()
         await self.flush()
         spend = await self.writer.run(self.store.spend_by_tenant, period.start_us, period.end_us)
         fired = await self.writer.run(self.store.alerts, None, period.start_us)
         self.budgets.complete_refresh(generation, month, spend, fired)
+        if self.spend_sync is not None:
+            try:
+                await self.spend_sync.reconcile(month, spend, mark)
+            except SpendStoreUnavailable as exc:
+                log.debug("budget counters not reconciled: %s", exc)
         self.budgets.set_accounts(await self.writer.run(self.store.accounts))
         self.prices = PriceBook(await self.writer.run(self.store.price_cards))
         # Levels crossed by other gateways' spend, or by a budget lowered below the spend:
@@ -318,6 +363,12 @@ class Billing:
                 await self._purge_request_log()
             except LedgerUnavailableError as exc:
                 log.debug("billing refresh skipped: %s", exc)
+
+    def _on_shared_spend(self, tenant_id: str | None) -> None:
+        """Another gateway's spend raised this one's view: alert levels it crossed fire here
+        if not elsewhere (the alert store keeps one of each)."""
+        alerts = self.budgets.check_all() if tenant_id is None else self.budgets.check(tenant_id)
+        self._queue_alerts(alerts)
 
     def _queue_alerts(self, alerts: list[BudgetAlert]) -> None:
         if alerts:
@@ -369,6 +420,8 @@ class Billing:
         month = month_key(self._clock_us())
         if month > self.budgets.month:
             self.budgets.roll_over(month)
+            if self.spend_sync is not None:
+                self.spend_sync.wake()  # read the new month's counters
 
 
 def _money(micros: int) -> str:
