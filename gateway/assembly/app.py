@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from admission.admitter import AdmissionConfig, Admitter
-from admission.controller import AdmissionController, ControllerConfig
+from admission.controller import AdmissionController, ControllerConfig, StoreFailurePolicy
 from admission.fair_queue import FairQueueConfig
 from admission.fairness_sync import RedisFairnessSync
 from admission.tokens import TokenCounters, TokenizerCounter
@@ -34,7 +35,7 @@ from gateway.admin.models import router as models_router
 from gateway.admin.planner import router as planner_router
 from gateway.admin.rollouts import router as rollouts_router
 from gateway.admin.tenants import router as admin_router
-from gateway.assembly.stores import StoreConfig, open_lease, open_stores
+from gateway.assembly.stores import StoreConfig, open_lease, open_spend_store, open_stores
 from gateway.audited import CONFIG_ACTOR, register_version, set_policy
 from gateway.auth import AdminAuth, Authenticator
 from gateway.catalog import Catalog, Deployer, VersionBuilder
@@ -313,7 +314,7 @@ async def assemble(
     await record_declared(stores.versions, config.versions)
     await catalog.start()
     resources.push_async_callback(catalog.aclose)
-    billing = await _billing(config.billing, deployments, metrics, resources)
+    billing = await _billing(config.billing, access, deployments, metrics, resources)
     counters = TokenCounters(
         await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir),
         access.tokenizer_dir,  # the first version's folder: its counter is this one
@@ -566,6 +567,7 @@ async def _admitter(
 
 async def _billing(
     config: BillingConfig | None,
+    access: AccessConfig,
     deployments: Deployments,
     metrics: GatewayMetrics,
     resources: contextlib.AsyncExitStack,
@@ -574,7 +576,10 @@ async def _billing(
     if config is None:
         return None
     meter = _cost_meter(config, deployments)
-    billing = Billing(config, cost_meter=meter)
+    # Budgets follow the quota store's failure policy when the spend counter is down.
+    closed = access.controller.store_failure is StoreFailurePolicy.CLOSED
+    config = dataclasses.replace(config, spend_store_failure="closed" if closed else "open")
+    billing = Billing(config, cost_meter=meter, spend_store=open_spend_store(access.stores))
     await billing.start()
     # Closed after the idempotent runs (pushed later): runs still going record.
     resources.push_async_callback(billing.aclose)

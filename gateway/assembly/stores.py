@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import uuid4
 
 from admission.idempotency import IdempotencyStore, MemoryIdempotencyStore
 from admission.idempotency_redis import RedisIdempotencyStore
@@ -14,6 +15,7 @@ from admission.quota_redis import RedisQuotaStore
 from admission.registry import TenantRegistry
 from admission.registry_redis import RedisTenantRegistry
 from admission.registry_sqlite import SqliteTenantRegistry
+from billing.spend_redis import RedisSpend
 from rollouts.lease import Lease, RedisLease, SqliteLease
 from rollouts.store import RolloutStore
 from rollouts.store_redis import RedisRolloutStore
@@ -86,3 +88,11 @@ async def open_lease(config: StoreConfig, name: str) -> Lease:
     lease = SqliteLease(config.sqlite_path.with_name("lease.db"), name=name)
     await lease.start()
     return lease
+
+
+def open_spend_store(config: StoreConfig) -> RedisSpend | None:
+    """The monthly spend counter budgets share (Redis), or None: one gateway, whose budgets
+    are its own view of the ledger. The caller hands it to ``Billing``, which closes it."""
+    if not config.redis_url:
+        return None
+    return RedisSpend(config.redis_url, source=uuid4().hex, timeout_s=config.timeout_s)
