@@ -218,7 +218,6 @@ def _connect(url: str, timeout_s: float, *, socket_timeout: bool = True) -> Redi
         timeout=timeout_s,
         socket_timeout=timeout_s if socket_timeout else None,
         socket_connect_timeout=timeout_s,
-        socket_keepalive=True,
         retry=Retry(NoBackoff(), 0),
         decode_responses=True,
     )
