@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,8 +39,6 @@ from kv_transfer.nixl_progress import install
 
 DEFAULT_TLS = ("tcp", "posix", "sysv", "cma", "sm", "sm,tcp", "sm,cma,tcp", "all")
 """``all`` leaves ``UCX_TLS`` unset: UCX's own default, what workers had before issue 24."""
-SMOLLM2 = KvGeometry(num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2, block_size=128)
-"""The bundled model's KV with vLLM's CPU block size, when no prepared folder is found."""
 PROGRESS_DELAY_US = 1000  # what the pools give workers (ConnectorConfig.progress_delay_us)
 _SEED = 24
 
@@ -58,8 +55,15 @@ class Layout:
     def nbytes(self) -> int:
         return self.num_layers * self.num_blocks * self.page_bytes
 
-    def descs(self, base: int, num_blocks: int) -> np.ndarray:
-        """(address, length, device) rows for blocks ``0..num_blocks-1`` of every layer."""
+    def descs(self, base: int, num_blocks: int, per_block: bool) -> np.ndarray:
+        """(address, length, device) rows for blocks ``0..num_blocks-1`` of every layer: one per
+        layer (vLLM merges a layer's contiguous blocks: its log shows 30 descriptors per
+        transfer) or one per layer and block."""
+        if not per_block:
+            starts = np.arange(self.num_layers, dtype=np.uint64) * self.num_blocks
+            rows = np.zeros((self.num_layers, 3), dtype=np.uint64)
+            rows[:, 0], rows[:, 1] = base + starts * self.page_bytes, num_blocks * self.page_bytes
+            return rows
         layers = np.repeat(np.arange(self.num_layers, dtype=np.uint64), num_blocks)
         blocks = np.tile(np.arange(num_blocks, dtype=np.uint64), self.num_layers)
         addrs = base + (layers * self.num_blocks + blocks) * self.page_bytes
@@ -102,12 +106,29 @@ HEADER = (
 )
 
 
-def _agent(name: str, tls: str, threads: int, proto_info: bool) -> Any:
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What every holder/reader pair of one run shares."""
+
+    layout: Layout
+    sizes: tuple[int, ...]
+    repeats: int
+    block_size: int
+    per_block: bool
+    pinned: bool
+    """Holder on core 0, reader on core 1, as ``tandem up`` binds its two workers."""
+    proto_info: bool
+
+
+def _agent(name: str, tls: str, threads: int, setup: Setup, core: int) -> Any:
     """A NIXL agent with the UCX backend as vLLM creates it (``num_threads``, telemetry on),
-    created after ``UCX_TLS`` is in place."""
+    created after ``UCX_TLS`` is in place, on ``core`` where the run is pinned (NIXL's threads
+    inherit it, as in a pinned worker)."""
+    if setup.pinned:
+        os.sched_setaffinity(0, {core % (os.cpu_count() or 1)})
     if tls != "all":
         os.environ["UCX_TLS"] = tls
-    if proto_info:
+    if setup.proto_info:
         os.environ["UCX_PROTO_INFO"] = "y"
     api = importlib.import_module("nixl._api")
     install(api, PROGRESS_DELAY_US)
@@ -119,13 +140,13 @@ def _fill(layout: Layout) -> np.ndarray:
     return np.random.default_rng(_SEED).integers(0, 256, layout.nbytes, dtype=np.uint8)
 
 
-def holder(pipe: Connection, tls: str, threads: int, layout: Layout, proto_info: bool) -> None:
+def holder(pipe: Connection, tls: str, threads: int, setup: Setup) -> None:
     """The prefill side: registers a filled KV cache, publishes it, waits to be told to stop."""
     try:
-        agent = _agent("holder", tls, threads, proto_info)
-        cache = _fill(layout)
+        agent = _agent("holder", tls, threads, setup, core=0)
+        cache = _fill(setup.layout)
         base = cache.ctypes.data
-        agent.register_memory([(base, layout.nbytes, 0, "")], "DRAM")
+        agent.register_memory([(base, setup.layout.nbytes, 0, "")], "DRAM")
         pipe.send((agent.get_agent_metadata(), base))
     # NIXL's errors (nixlBackendError, ...) derive from Exception directly; a setting that fails
     # is a result, reported in the table with its reason.
@@ -135,14 +156,12 @@ def holder(pipe: Connection, tls: str, threads: int, layout: Layout, proto_info:
     pipe.recv()
 
 
-def reader(
-    pipe: Connection, tls: str, threads: int, layout: Layout, proto_info: bool,
-    sizes: Sequence[int], repeats: int, block_size: int,
-) -> None:  # fmt: skip
-    """The decode side: READs each prompt's blocks ``repeats`` times; sends (tokens, seconds)."""
+def reader(pipe: Connection, tls: str, threads: int, setup: Setup) -> None:
+    """The decode side: READs each prompt's blocks; sends (tokens, READ s, memcpy s) medians."""
+    layout = setup.layout
     try:
         metadata, remote_base = pipe.recv()
-        agent = _agent("reader", tls, threads, proto_info)
+        agent = _agent("reader", tls, threads, setup, core=1)
         cache = np.zeros(layout.nbytes, dtype=np.uint8)
         base = cache.ctypes.data
         agent.register_memory([(base, layout.nbytes, 0, "")], "DRAM")
@@ -150,18 +169,20 @@ def reader(
         agent.make_connection(peer)
         expected = _fill(layout)
         results: list[tuple[int, float, float]] = []
-        for tokens in sizes:
-            num_blocks = -(-tokens // block_size)
-            local = agent.get_xfer_descs(layout.descs(base, num_blocks), "DRAM")
-            remote = agent.get_xfer_descs(layout.descs(remote_base, num_blocks), "DRAM")
+        for tokens in setup.sizes:
+            num_blocks = -(-tokens // setup.block_size)
+            local = agent.get_xfer_descs(layout.descs(base, num_blocks, setup.per_block), "DRAM")
+            remote = agent.get_xfer_descs(
+                layout.descs(remote_base, num_blocks, setup.per_block), "DRAM"
+            )
             handle = agent.initialize_xfer("READ", local, remote, peer)
             source = np.ones(layout.num_layers * num_blocks * layout.page_bytes, np.uint8)
             target = np.zeros_like(source)
             times, copies = [], []
-            for attempt in range(repeats + 1):  # the first warms the path (rkeys, rcache)
+            for attempt in range(setup.repeats + 1):  # the first warms the path up
                 cache[:] = 0
-                # memcpy of the same bytes next to each transfer: on a shared machine both
-                # then see the same load
+                # A memcpy of the same bytes next to each READ: on a shared machine both then
+                # see the same load.
                 start = time.perf_counter()
                 np.copyto(target, source)
                 copied = time.perf_counter() - start
@@ -187,33 +208,31 @@ def reader(
         pipe.send(error)
 
 
-def measure(
-    tls: str, threads: int, layout: Layout, sizes: Sequence[int], repeats: int, block_size: int,
-    proto_info: bool,
-) -> list[Row]:  # fmt: skip
+def measure(tls: str, threads: int, setup: Setup) -> list[Row]:
     """One ``UCX_TLS`` setting in a fresh holder/reader pair."""
     context = mp.get_context("spawn")
     holder_end, holder_pipe = context.Pipe()
     reader_end, reader_pipe = context.Pipe()
-    held = context.Process(target=holder, args=(holder_pipe, tls, threads, layout, proto_info))
-    read = context.Process(
-        target=reader,
-        args=(reader_pipe, tls, threads, layout, proto_info, sizes, repeats, block_size),
-    )
+    held = context.Process(target=holder, args=(holder_pipe, tls, threads, setup))
+    read = context.Process(target=reader, args=(reader_pipe, tls, threads, setup))
     held.start()
     read.start()
+
+    def failed(reason: str) -> list[Row]:
+        return [Row(tls, threads, tokens, 0, 0, 0, reason) for tokens in setup.sizes]
+
     try:
         published = holder_end.recv()
         if isinstance(published, Exception):
-            return [Row(tls, threads, tokens, 0, 0, 0, f"holder: {published}") for tokens in sizes]
+            return failed(f"holder: {published}")
         reader_end.send(published)
         outcome = reader_end.poll(300) and reader_end.recv()
         if not outcome or isinstance(outcome, Exception):
-            reason = f"reader: {outcome}" if outcome else "reader: no answer in 300 s"
-            return [Row(tls, threads, tokens, 0, 0, 0, reason) for tokens in sizes]
+            return failed(f"reader: {outcome}" if outcome else "reader: no answer in 300 s")
         rows = []
         for tokens, seconds, memcpy_s in outcome:
-            num_bytes = layout.num_layers * -(-tokens // block_size) * layout.page_bytes
+            num_blocks = -(-tokens // setup.block_size)
+            num_bytes = setup.layout.num_layers * num_blocks * setup.layout.page_bytes
             rows.append(Row(tls, threads, tokens, num_bytes, seconds, memcpy_s))
         return rows
     finally:
@@ -224,21 +243,19 @@ def measure(
                 process.kill()
 
 
-def geometry_of(model_dir: Path | None, block_size: int) -> KvGeometry:
+def geometry_of(model_dir: Path | None, dtype: str, block_size: int) -> KvGeometry:
+    """The prepared model's KV geometry, or the bundled SmolLM2's where none is found."""
     if model_dir is None:
         from workers.model import find_prepared
 
         prepared = find_prepared()
         model_dir = None if prepared is None else prepared.path
-    found = None
     if model_dir is not None:
-        found = KvGeometry.of_model_dir(model_dir, dtype="auto", block_size=block_size)
-    if found is None:
-        return KvGeometry(
-            SMOLLM2.num_layers, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, SMOLLM2.dtype_bytes,
-            block_size,
-        )  # fmt: skip
-    return found
+        found = KvGeometry.of_model_dir(model_dir, dtype=dtype, block_size=block_size)
+        if found is not None:
+            return found
+    smollm2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+    return KvGeometry(**smollm2, dtype_bytes=4 if dtype == "float32" else 2, block_size=block_size)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,28 +267,35 @@ def main(argv: list[str] | None = None) -> None:
         help="NIXL UCX backend num_threads (default 4, vLLM's; 0 is NIXL's own)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--block-size", type=int, default=SMOLLM2.block_size)
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's on CPU")
+    parser.add_argument("--dtype", default="float32", help="the workers' (TANDEM_DTYPE)")
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument(
+        "--per-block", action="store_true",
+        help="one descriptor per layer and block (default: per layer, as vLLM merges them)",
+    )  # fmt: skip
+    parser.add_argument("--pin", action="store_true", help="holder on core 0, reader on core 1")
     parser.add_argument("--proto-info", action="store_true", help="UCX prints its protocols")
     args = parser.parse_args(argv)
-    geometry = geometry_of(args.model_dir, args.block_size)
+    geometry = geometry_of(args.model_dir, args.dtype, args.block_size)
     sizes = tuple(args.tokens or SIZES)
     layout = Layout(
         geometry.num_layers, -(-max(sizes) // args.block_size),
         geometry.bytes_per_block // geometry.num_layers,
     )  # fmt: skip
+    setup = Setup(
+        layout, sizes, args.repeats, args.block_size, args.per_block, args.pin, args.proto_info
+    )
     print(
         f"{geometry.num_layers} layers, {layout.page_bytes} B per layer and block "
-        f"({args.block_size} tokens); one descriptor per layer and block; median of "
-        f"{args.repeats} READs, each next to a memcpy of the same bytes (numpy, contiguous)"
+        f"({args.block_size} tokens, {args.dtype}); one descriptor per layer"
+        f"{' and block' if args.per_block else ''}; {'pinned' if args.pin else 'unpinned'}; "
+        f"median of {args.repeats} READs, each next to a memcpy of the same bytes (numpy)"
     )
     print(HEADER, flush=True)
     for tls in args.tls or DEFAULT_TLS:
         for threads in args.threads or (4,):
-            rows = measure(
-                tls, threads, layout, sizes, args.repeats, args.block_size, args.proto_info
-            )
-            for row in rows:
+            for row in measure(tls, threads, setup):
                 print(row.render(), flush=True)
 
 
