@@ -1,11 +1,19 @@
 """Monthly budgets: each tenant's spend this UTC month against its limit, and alert levels.
 
-The spend a gateway sees is what the ledger database held at the last refresh plus what this
-gateway recorded since. A refresh is numbered: the writer flushes everything recorded before
-it, then the database is read, so those records are counted once (in the database figure)
-and only later ones stay local. Other gateways' spend arrives with the next refresh: the
-budget can be overshot by what they record in one refresh interval, and by requests already
-running when it was reached (the check is at admission, the cost known at the end).
+One gateway: the spend it sees is what the ledger database held at the last refresh plus what
+this gateway recorded since. A refresh is numbered: the writer flushes everything recorded
+before it, then the database is read, so those records are counted once (in the database
+figure) and only later ones stay local.
+
+Several gateways sharing Redis (``billing/spend_sync.py``, ``billing/spend_redis.py``): a
+per-month counter every gateway adds its spend to and follows the others' through. A gateway's
+figure is the larger of the ledger view above and the counter's total plus its own spend the
+counter has not taken yet (pending): its own spend counts from ``add`` on, the others' from
+when Redis delivers their increment (a round trip, not a refresh). The ledger stays the
+source of truth for invoices; the counter is raised to the ledger's figures at each refresh
+and seeded from it when Redis lost a month. What remains: requests already running when the
+budget was reached (the check is at admission, the cost known at the end), and for the one
+Redis delivery another gateway's just-recorded spend is not seen yet.
 """
 
 from __future__ import annotations

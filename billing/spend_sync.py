@@ -11,9 +11,13 @@
                               from the ledger (``SET`` only if missing: one gateway wins)
 
 Invariants: spend recorded here is in the guard's figure from ``record`` on (pending until the
-counter's reply includes it; both are never counted at once because the pusher settles under
-the lock a reload takes too). The counter never starts from zero: an increment into a missing
-month is refused and stays pending until the refresher seeded it from the ledger.
+counter's reply includes it; a reload waits for the pusher's lock, so it never sees an increment
+still pending; another gateway's total, delivered before this one's reply, can count it twice
+for that round trip: refusing early, never late). The counter never starts from zero: an
+increment into a missing month is refused and stays pending until the refresher seeded it from
+the ledger. After a seed, spend other gateways had not yet written to the ledger (their last
+flush interval, 0.2 s) is missing until the next refresh's floor: the bound right after Redis
+lost its data is the one-gateway bound (one refresh), and it closes at that refresh.
 
 Redis down: pending spend stays (counted here) and is pushed when it is back; the guard keeps
 the larger of the ledger's view and the counter's last totals, so budgets degrade to the
@@ -58,6 +62,9 @@ class SpendSync:
         self._lock = asyncio.Lock()  # one push, reload or reconcile at a time
         self._wake = asyncio.Event()
         self._reload_needed = True
+        self._saw_missing = False
+        """The month was missing since the last reconcile: pending spend waits for it (it may
+        be in a seed another gateway made from the ledger already)."""
         self._pushing_ok = True
         self._listening = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -95,12 +102,14 @@ class SpendSync:
         async with self._lock:
             if self._reload_needed or not self._guard.has_shared:
                 await self._reload()
+            if self._saw_missing:
+                return False
             month, mark, amounts = self._guard.pending_batch()
             if not amounts:
                 return True
             totals = await self.store.add(month, amounts)
             if totals is None:
-                self._request_seed()
+                self._missing()
                 return False
             self._guard.settle_pending(month, mark)
             for tenant_id, total in totals.items():
@@ -115,25 +124,38 @@ class SpendSync:
         async with self._lock:
             if month != self._guard.month:
                 return
-            floors = {
-                tenant_id: micros - self._guard.pending_micros(tenant_id)
-                for tenant_id, micros in ledger_spend.items()
-            }
-            if not await self.store.floor(month, floors):
+            seeded = await self.store.floor(month, self._floors(ledger_spend))
+            if not seeded:
+                self._saw_missing = True
                 if await self.store.seed(month, ledger_spend):
                     log.info("budget counters for %s seeded from the ledger", month)
-                # Spend pending before the flush is in the ledger's figures: this gateway's
-                # seed has it; another's, made at about the same time, may lack it, which the
-                # next reconcile's floor repairs (an undercount for one refresh, never double).
+            if self._saw_missing:
+                # Spend pending before the flush is in the ledger's figures, and maybe in a
+                # seed another gateway made from them: it is dropped, never pushed, so never
+                # counted twice; a seed that lacks it is raised to the ledger's figures here.
                 self._guard.settle_pending(month, mark)
+                self._saw_missing = False
+                await self.store.floor(month, self._floors(ledger_spend))
             await self._reload()
         self._wake.set()
+
+    def _floors(self, ledger_spend: dict[str, int]) -> dict[str, int]:
+        """The ledger's figures less what is pending here (the counter has not got it; the
+        ledger may have it already)."""
+        return {
+            tenant_id: micros - self._guard.pending_micros(tenant_id)
+            for tenant_id, micros in ledger_spend.items()
+        }
+
+    def _missing(self) -> None:
+        self._saw_missing = True
+        self._request_seed()
 
     async def _reload(self) -> None:
         month = self._guard.month
         totals = await self.store.read(month)
         if totals is None:
-            self._request_seed()
+            self._missing()
             return
         self._guard.shared_loaded(month, totals)
         self._reload_needed = False
