@@ -272,8 +272,9 @@ class TandemSettings(BaseSettings):
     billing_currency: str = Field("USD", pattern=r"^[A-Z]{3}$")
     """ISO 4217 code of costs, budgets and prices."""
     billing_refresh_interval_s: float = Field(5.0, gt=0)
-    """How often spend, prices and budgets are re-read from the ledger: another gateway's spend
-    counts against a shared budget here within about this long."""
+    """How often spend, prices and budgets are re-read from the ledger: without Redis, another
+    gateway's spend counts against a shared budget here within about this long (with Redis, at
+    once: ``billing/spend_sync.py``)."""
     worker_cost_per_hour: Decimal = Field(Decimal(0), ge=0)
     """What one worker's hardware costs per hour, in ``billing_currency`` (e.g. ``2.50`` for a
     cloud GPU): with measured busy time it gives the real cost per 1k tokens."""
