@@ -301,6 +301,7 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
     tables = [
         report.latency_table(output.results),
         report.cpu_table(output.results, where),
+        report.memory_table(output.results),
         # Issue 24's target: Tandem at most 2x the bare relay's CPU per request (B/A <= 2).
         report.versus_table(
             output.results, "relay", "tandem-colocated", " - issue 24: B/A at most 2x"

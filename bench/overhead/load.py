@@ -31,6 +31,9 @@ from bench.harness.workload import PlannedRequest, Target, TenantSpec
 from bench.overhead.measure import CpuWindow, LevelResult, core_busy, count_chunks
 
 CpuReader = Callable[[], tuple[float, float]]
+RssReader = Callable[[], int]
+"""The server's resident bytes now (``Server.rss_bytes``)."""
+RSS_SAMPLE_S = 0.05
 """User and system CPU seconds so far."""
 
 _FILLER_TEXT = (
@@ -146,8 +149,11 @@ async def run_level(
     server_cpu: CpuReader | None,
     engine_cpu: CpuReader | None,
     idle_cpu_ms_per_s: float | None = None,
+    server_rss: RssReader | None = None,
+    rss_idle_bytes: int | None = None,
 ) -> LevelResult:
-    """Warm up, then measure ``concurrency`` streams against ``target``."""
+    """Warm up, then measure ``concurrency`` streams against ``target`` (and, given
+    ``server_rss``, the server's peak memory meanwhile)."""
     num_warmup = spec.warmup_requests or max(concurrency, 5)
     started = time.perf_counter()
     warmup = await execute(
@@ -164,7 +170,12 @@ async def run_level(
     cores0, wall0, generator0 = _core_times(), time.perf_counter(), _own_cpu_s()
     server0 = server_cpu() if server_cpu else None
     engine0 = engine_cpu() if engine_cpu else None
-    records = await execute(target, requests, max_concurrency=concurrency)
+    peak = _PeakRss(server_rss) if server_rss else None
+    try:
+        records = await execute(target, requests, max_concurrency=concurrency)
+    finally:
+        if peak is not None:
+            await peak.stop()
     server1 = server_cpu() if server_cpu else None
     engine1 = engine_cpu() if engine_cpu else None
     wall, generator = time.perf_counter() - wall0, _own_cpu_s() - generator0
@@ -187,7 +198,29 @@ async def run_level(
         idle_cpu_ms_per_s=idle_cpu_ms_per_s,
         num_warmup=num_warmup,
         warmup_wall_s=warmup_wall,
+        rss_idle_bytes=rss_idle_bytes,
+        rss_peak_bytes=peak.bytes if peak is not None else None,
     )
+
+
+class _PeakRss:
+    """Samples a server's resident memory in the background, keeping the highest."""
+
+    def __init__(self, read: RssReader) -> None:
+        self._read = read
+        self.bytes = read()
+        self._task = asyncio.ensure_future(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            await asyncio.sleep(RSS_SAMPLE_S)
+            # psutil reads /proc: a few files per process, off the loop the clients run on.
+            self.bytes = max(self.bytes, await asyncio.to_thread(self._read))
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.wait((self._task,))
+        self.bytes = max(self.bytes, self._read())
 
 
 async def idle_cpu_rate(server_cpu: CpuReader, seconds: float) -> float:

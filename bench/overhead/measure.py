@@ -6,6 +6,11 @@ pooled over all requests. *Added* latency = the percentile through a server minu
 percentile sent directly to the engine at the same concurrency (a difference of percentiles,
 not a percentile of differences: requests are not paired).
 
+Memory: the server's resident set (process and children) once it is up and idle, and its
+peak while a level's streams are open (sampled every 50 ms); per open stream = (peak - idle) /
+concurrency, an upper bound (whatever the load grew besides the streams, caches and pools,
+counts too).
+
 CPU: the server under test's user + system seconds (process and children) over the measured
 phase only (warm-up excluded), less its idle rate (measured before the load: health polls,
 metrics reads) over the same time, divided by the requests sent in it (failed ones cost CPU
@@ -70,6 +75,17 @@ class LevelResult:
     """The server's CPU when no request runs (health polls, metrics reads), ms per second."""
     num_warmup: int = 0
     warmup_wall_s: float = 0.0
+    rss_idle_bytes: int | None = None
+    """The server's resident memory when it was up and idle, before any level."""
+    rss_peak_bytes: int | None = None
+    """Its highest resident memory sampled in this level's measured phase."""
+
+    @property
+    def kb_per_stream(self) -> float | None:
+        """Memory per open stream: (peak - idle) / concurrency, in KiB (an upper bound)."""
+        if self.rss_idle_bytes is None or self.rss_peak_bytes is None:
+            return None
+        return max(self.rss_peak_bytes - self.rss_idle_bytes, 0) / self.concurrency / 1024
 
     @property
     def load_cpu_s(self) -> float | None:
@@ -123,6 +139,9 @@ class LevelResult:
             "cpu_ms_per_request": self.cpu_ms_per_request,
             "cpu_ms_per_chunk": self.cpu_ms_per_chunk,
             "server_core_share": self.server_core_share,
+            "rss_idle_bytes": self.rss_idle_bytes,
+            "rss_peak_bytes": self.rss_peak_bytes,
+            "kb_per_stream": self.kb_per_stream,
             "summary": self.summary.to_dict(),
         }
 

@@ -3,7 +3,8 @@
 Each runs as a child process pinned to its cores (``sched_setaffinity`` before ``exec``, so
 every thread and child inherits it), in its own session (so stopping it takes its children
 along), with its output in a log file (a full pipe would stall it). ``Server.cpu_times`` is
-what the process and its live children used so far (user, system).
+what the process and its live children used so far (user, system); ``Server.rss_bytes``
+the memory they hold now.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class Server:
     def cpu_seconds(self) -> float:
         return sum(self.cpu_times())
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the process and its live children, now."""
+        return process_tree_rss(self.pid)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to its session, then SIGKILL after ``timeout_s``; idempotent."""
         if self.process.poll() is not None:
@@ -87,6 +92,20 @@ def process_tree_cpu_times(pid: int, *, children: bool = True) -> tuple[float, f
             times = process.cpu_times()
             user, system = user + times.user, system + times.system
     return user, system
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its live descendants (0 once it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += process.memory_info().rss
+    return total
 
 
 def free_port() -> int:

@@ -92,6 +92,28 @@ def cpu_table(results: Sequence[LevelResult], where: str) -> Table:
     return table
 
 
+def memory_table(results: Sequence[LevelResult]) -> Table:
+    """Resident memory of each server: idle, at its peak under each level, per open stream."""
+    table = Table(
+        title="Memory of the server under test (process and children): idle, peak while the "
+        "level's streams were open, per open stream = (peak - idle) / concurrency (an upper "
+        "bound) - issue 24: under 50 KB per stream"
+    )
+    for name in ("target", "conc", "idle RSS MiB", "peak RSS MiB", "KiB/stream"):
+        table.add_column(name, justify="left" if name == "target" else "right")
+    for r in results:
+        if r.rss_peak_bytes is None:
+            continue
+        table.add_row(
+            r.target,
+            str(r.concurrency),
+            _f(r.rss_idle_bytes and r.rss_idle_bytes / 2**20, 1),
+            _f(r.rss_peak_bytes / 2**20, 1),
+            _f(r.kb_per_stream, 1),
+        )
+    return table
+
+
 def versus_table(
     results: Sequence[LevelResult], first: str, second: str, note: str = ""
 ) -> Table | None:

@@ -189,13 +189,18 @@ async def _run_target(
     server_cpu = server.cpu_times if server else None
     try:
         idle = await idle_cpu_rate(server.cpu_times, config.idle_s) if server else None
-        if idle is not None:
-            console.print(f"  idle CPU: {idle:.1f} ms/s (subtracted from the per-request figures)")
+        rss_idle = server.rss_bytes() if server else None
+        if idle is not None and rss_idle is not None:
+            console.print(
+                f"  idle CPU: {idle:.1f} ms/s (subtracted from the per-request figures), "
+                f"RSS {rss_idle / 2**20:.1f} MiB"
+            )
 
         async def level_run(concurrency: int, spec: LoadSpec) -> LevelResult:
             return await run_level(
-                name, target, tenant, concurrency, spec, server_cpu, engine_cpu, idle
-            )
+                name, target, tenant, concurrency, spec, server_cpu, engine_cpu, idle,
+                server.rss_bytes if server else None, rss_idle,
+            )  # fmt: skip
 
         for level in config.levels:
             result = await level_run(level, config.spec)

@@ -36,24 +36,33 @@ SERVING_STATE = "serving"
 """The lifespan state key the app's assembly puts this package's ``ServingServices`` under."""
 
 
-async def get_services(http_request: HttpRequest) -> ServingServices:
-    # async: FastAPI runs a plain `def` dependency in a thread pool, ~0.2 ms of CPU per request.
+def serving_services(http_request: HttpRequest) -> ServingServices:
+    """This package's services, from the app's lifespan state."""
     services: ServingServices = getattr(http_request.state, SERVING_STATE)
     return services
+
+
+async def get_services(http_request: HttpRequest) -> ServingServices:
+    # async: FastAPI runs a plain `def` dependency in a thread pool, ~0.2 ms of CPU per request.
+    return serving_services(http_request)
 
 
 ServicesDep = Annotated[ServingServices, Depends(get_services)]
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(http_request: HttpRequest, services: ServicesDep) -> Response:
+async def chat_completions(http_request: HttpRequest) -> Response:
     """OpenAI chat completions, streaming or not."""
+    # The services are read here, not injected: a dependency costs FastAPI a resolution per
+    # request, and these two routes are the hot path.
+    services = serving_services(http_request)
     return await _serve(Endpoint.CHAT, ChatCompletionRequest, http_request, services)
 
 
 @router.post("/v1/completions")
-async def completions(http_request: HttpRequest, services: ServicesDep) -> Response:
+async def completions(http_request: HttpRequest) -> Response:
     """OpenAI (legacy) text completions, streaming or not."""
+    services = serving_services(http_request)
     return await _serve(Endpoint.COMPLETIONS, CompletionRequest, http_request, services)
 
 
