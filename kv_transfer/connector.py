@@ -6,8 +6,9 @@ each transport that reaches the peer and picks the fastest for each operation. W
 transport list (``all``), a decode worker's READs from a prefill worker on the same host go over
 CMA (``process_vm_readv``, one kernel copy), and to one on another host over RDMA or TCP; only
 small messages (handshake, notifications) go over TCP loopback. Measured in
-``bench/kv_transfer/ucx_transports.py`` (issue 24): on one host, READs of a 1k-4k-token prompt's
-KV ran at 3-4 GB/s under the default list (CMA), 0.3-0.9 GB/s restricted to ``tcp``. POSIX and
+``bench/kv_transfer/ucx_transports.py`` (issue 24): on one 2-core host, READs of a 1k-4k-token
+prompt's KV ran at 2-3 GB/s with CMA when each side is pinned to one core as ``tandem up`` binds
+workers, 4-5.6 GB/s unpinned, and 0.3-0.9 GB/s restricted to ``tcp``. POSIX and
 SysV shared memory cannot serve NIXL: NIXL asks for peer failure handling, which they lack, and
 they cannot read memory UCX did not allocate, so a list of shared-memory transports alone fails
 when the backend starts. Where CMA is not permitted (Yama ``ptrace_scope`` 2 or 3, a seccomp

@@ -7,5 +7,6 @@ Runs against live workers (``tandem up``), talking to them directly with the gat
 legs and routing functions, so the figures are the engines' and not the gateway's. The first
 form measures transfer cost, TTFT split vs colocated, prefill interference and idle CPU
 (``transfer.py``); ``affinity`` measures prefix-cache hits with several prefill workers
-(``affinity.py``).
+(``affinity.py``). ``python -m bench.kv_transfer.ucx_transports`` needs no workers: NIXL READs
+between two processes per UCX transport (``ucx_transports.py``).
 """
