@@ -58,6 +58,7 @@ TARGETS = (
     "tandem-2leg",
     "tandem-colocated",
     "tandem-2proc",
+    "tandem-moderated",
     "tandem-policy",
     "litellm",
 )
@@ -306,7 +307,13 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
         report.versus_table(
             output.results, "relay", "tandem-colocated", " - issue 24: B/A at most 2x"
         ),
+        report.versus_table(
+            output.results, "relay", "tandem-moderated", " - output moderation on: at most 2x"
+        ),
         report.versus_table(output.results, "relay", "tandem-2leg"),
+        report.versus_table(
+            output.results, "tandem-colocated", "tandem-2proc", " - 1 vs 2 gateway processes"
+        ),
         report.versus_table(output.results, "tandem-2leg", "litellm"),
     ]
     if output.extra:

@@ -167,6 +167,7 @@ async def _run_target(
         setup = TandemSetup(
             two_legs=name in ("tandem-2leg", "tandem-policy"),
             traffic_policy=name == "tandem-policy",
+            output_moderation=name == "tandem-moderated",
             auth=config.auth,
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
             gateway_workers=2 if name == "tandem-2proc" else 1,  # tandem-colocated, 2 processes

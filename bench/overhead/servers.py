@@ -40,6 +40,8 @@ from bench.overhead.procs import Server, StartError, free_port, start_python_ser
 
 ADMIN_KEY = "bench-overhead-admin-key"
 LITELLM_MASTER_KEY = "sk-bench-overhead"
+OUTPUT_MODERATION = {"output": {"providers": ["rules"], "actions": {"pii": "redact", "*": "flag"}}}
+"""The ``tandem-moderated`` target's default policy: what a tenant that screens its answers sets."""
 _UNLIMITED_ENOUGH = {"tpm": 10**12, "rpm": 10**9, "max_concurrent": 10**6}
 
 
@@ -58,6 +60,9 @@ class TandemSetup:
     same fake workers): every request pays for its version's resolution."""
     tracing: bool = False
     """Export every request's spans to the traces endpoint ``start_tandem`` is given."""
+    output_moderation: bool = False
+    """Every tenant's output moderated as it streams (``OUTPUT_MODERATION``: the built-in rules,
+    PII redacted, other categories flagged): the hold-back window and a check per window."""
     gateway_workers: int = 1
     """Gateway processes on the one port (``tandem up --gateway-workers``); above 1 they share
     the ``redis-server`` ``tandem up`` starts (its CPU counts: it is a child)."""
@@ -68,6 +73,8 @@ class TandemSetup:
             return f"tandem-{self.gateway_workers}proc"
         if self.traffic_policy:
             base = "tandem-policy"
+        elif self.output_moderation:
+            base = "tandem-moderated"
         else:
             base = "tandem-2leg" if self.two_legs else "tandem-colocated"
         if not self.tracing:
@@ -96,6 +103,11 @@ def tandem_env(
         "TANDEM_DISAGGREGATE_MIN_PROMPT_TOKENS": "0" if setup.two_legs else str(10**9),
         "TANDEM_MAX_IN_FLIGHT_PER_WORKER": str(setup.max_in_flight_per_worker),
         "TANDEM_MAX_QUEUE": str(max(1024, setup.max_in_flight_per_worker)),
+        **(
+            {"TANDEM_MODERATION_DEFAULT_POLICY": json.dumps(OUTPUT_MODERATION)}
+            if setup.output_moderation
+            else {}
+        ),
         **tracing_env(traces_endpoint),
     }
 
