@@ -148,18 +148,26 @@ async def _run_all(
     """Run providers concurrently. Every check finishes (each has its own timeout) before the
     first error is raised, so a fail-closed provider's error is not lost in a group and no
     check is left running unowned."""
+    if len(providers) == 1:  # the usual policy: no task to run one check beside nothing
+        return [_checked(providers[0], texts, await providers[0].check(texts))]
     outcomes = await asyncio.gather(*(p.check(texts) for p in providers), return_exceptions=True)
     results: list[list[TextResult]] = []
     for provider, outcome in zip(providers, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             raise outcome
-        if len(outcome) != len(texts):
-            raise RuntimeError(
-                f"moderation provider {provider.name!r} returned {len(outcome)} results "
-                f"for {len(texts)} texts"
-            )
-        results.append(outcome)
+        results.append(_checked(provider, texts, outcome))
     return results
+
+
+def _checked(
+    provider: ModerationProvider, texts: Sequence[str], outcome: list[TextResult]
+) -> list[TextResult]:
+    if len(outcome) != len(texts):
+        raise RuntimeError(
+            f"moderation provider {provider.name!r} returned {len(outcome)} results "
+            f"for {len(texts)} texts"
+        )
+    return outcome
 
 
 async def _close_all(providers: Sequence[ManagedProvider]) -> None:

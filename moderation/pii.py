@@ -16,7 +16,7 @@ not again as a ``phone``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -281,14 +281,25 @@ DETECTORS: Mapping[str, PiiDetector] = MappingProxyType({d.name: d for d in PRIO
 def find_pii(text: str, names: Iterable[str] | None = None) -> list[PiiMatch]:
     """Validated matches of the named detectors (all when ``None``), sorted by start; a
     match overlapping one of a higher-priority detector is dropped."""
-    wanted = None if names is None else frozenset(names)
-    unknown = set() if wanted is None else wanted - DETECTORS.keys()
+    return find_with(text, detectors_named(names))
+
+
+def detectors_named(names: Iterable[str] | None) -> tuple[PiiDetector, ...]:
+    """The named detectors (all when ``None``) in priority order; unknown names raise."""
+    if names is None:
+        return PRIORITY
+    wanted = frozenset(names)
+    unknown = wanted - DETECTORS.keys()
     if unknown:
         raise ValueError(f"unknown PII detectors {sorted(unknown)}; use {sorted(DETECTORS)}")
+    return tuple(detector for detector in PRIORITY if detector.name in wanted)
+
+
+def find_with(text: str, detectors: Sequence[PiiDetector]) -> list[PiiMatch]:
+    """``find_pii`` over detectors already chosen (``detectors_named``): a stream checks every
+    window with the same ones."""
     found: list[PiiMatch] = []
-    for detector in PRIORITY:
-        if wanted is not None and detector.name not in wanted:
-            continue
+    for detector in detectors:
         for match in detector.find(text):
             if not any(match.start < m.end and m.start < match.end for m in found):
                 found.append(match)

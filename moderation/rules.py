@@ -27,7 +27,7 @@ from typing import Any
 
 from core.moderation import Category
 from moderation.hits import Hit, TextResult, result_of
-from moderation.pii import DETECTORS, find_pii
+from moderation.pii import DETECTORS, detectors_named, find_with
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.json")
 """The rule set shipped with the package (package data)."""
@@ -208,7 +208,7 @@ class RulesProvider:
             for category, named in rules.patterns.items()
             for name, regex in named.items()
         ]
-        self._pii = rules.pii
+        self._pii = detectors_named(rules.pii) if rules.pii else ()
 
     @property
     def max_term_chars(self) -> int:
@@ -232,7 +232,7 @@ class RulesProvider:
         if self._pii:
             hits.extend(
                 Hit(Category.PII, self.name, m.start, m.end, 1.0, m.detector)
-                for m in find_pii(text, self._pii)
+                for m in find_with(text, self._pii)
             )
         return result_of(hits, self._checked)
 
