@@ -17,7 +17,7 @@ gateway's own streaming path: relay, output moderation, SSE framing, heartbeats.
    ``--token-delay-ms``) through a gateway with output moderation off and one with it on
    (default policy: output providers ``["rules"]``, actions ``{"pii": "redact", "*": "block"}``,
    the default window); TTFT and ITL p50/p99 and the differences.
-2. Heartbeats: the same load with ``sse_ping_interval_s`` 0 (sse-starlette's ping task off),
+2. Heartbeats: the same load with ``sse_ping_interval_s`` 0 (no heartbeat timer),
    0.05 s (pings interleave with tokens) and 15 s (the default).
 3. Memory: gateway RSS (``VmRSS`` of ``/proc/<pid>/status``) before and with ``--idle-streams``
    streams open against an engine that sends one token and then goes quiet for an hour.

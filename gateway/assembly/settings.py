@@ -137,6 +137,11 @@ class TandemSettings(BaseSettings):
     """Heartbeat comment interval on client streams (0: none). A stream whose request is still
     queued or prefilling after one interval starts anyway, with a heartbeat, so clients and
     proxies with idle timeouts keep it open."""
+    shutdown_grace_s: int = Field(30, ge=0)
+    """On SIGTERM/SIGINT a gateway process stops accepting and gives the requests it is serving
+    this long to finish; past it they are cancelled (each billed for what it produced and
+    counted as aborted). Without it one idle stream kept alive by heartbeats holds a stop
+    forever."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline of a request without ``x-tandem-timeout-ms``, from arrival to its last byte
     (queue, prefill and decode); past it the request ends with 504 ``deadline_exceeded``."""

@@ -70,6 +70,7 @@ async def _serve(handoff: Handoff, sockets: list[socket.socket], log_level: str)
             log_level=log_level,
             http="httptools",
             lifespan="on",
+            timeout_graceful_shutdown=settings.shutdown_grace_s,
         )
     )
     loop = asyncio.get_running_loop()

@@ -35,6 +35,7 @@ from rich.status import Status
 
 from gateway.assembly.config_file import ConfigFileError, load_stack_file
 from gateway.assembly.gateway_processes import (
+    STOP_TIMEOUT_S,
     GatewayProcessError,
     GatewayProcesses,
     ProcessHeader,
@@ -272,6 +273,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 log_level=log_level,
                 http="httptools",
                 lifespan="on",
+                timeout_graceful_shutdown=settings.shutdown_grace_s,
             )
         )
         _print_up(settings, stack)
@@ -319,7 +321,8 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         # workers, then Redis.
         if processes is not None:
             with _status_line("stopping the other gateway processes"):
-                await processes.aclose()
+                # Each drains its requests for up to the grace period, as this one did.
+                await processes.aclose(settings.shutdown_grace_s + STOP_TIMEOUT_S)
         if stack is not None:
             with _status_line("stopping workers"):
                 await stack.aclose()
