@@ -90,7 +90,8 @@ included); with CPU-bound neighbours (the e2e tier's vLLM workers spin a core ea
 send less, so only the start of the bucket is a bound that load cannot break. The 429s assert
 that the limit was hit."""
 PROPAGATION_S = 1.0
-"""Admin changes reach every replica within this (key cache TTL 0.5 s, plus slack)."""
+"""Admin changes reach every replica within this (the key cache: 0.5 s fresh, 0.4 s refreshed
+ahead, gateway/auth.py; plus slack)."""
 
 
 @dataclass(frozen=True, slots=True)
