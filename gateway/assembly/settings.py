@@ -137,6 +137,11 @@ class TandemSettings(BaseSettings):
     """Heartbeat comment interval on client streams (0: none). A stream whose request is still
     queued or prefilling after one interval starts anyway, with a heartbeat, so clients and
     proxies with idle timeouts keep it open."""
+    access_log: bool = False
+    """uvicorn's line per HTTP request. Off by default: every OpenAI request already logs one
+    line of its own when it ends (``tandem.requests``: outcome, path, workers, TTFT, tokens) and
+    admin changes are audited, while uvicorn writes its line before a stream's first byte (0.4 ms
+    of the added time to first token at one stream, ``bench/overhead``)."""
     shutdown_grace_s: int = Field(30, ge=0)
     """On SIGTERM/SIGINT a gateway process stops accepting and gives the requests it is serving
     this long to finish; past it they are cancelled (each billed for what it produced and

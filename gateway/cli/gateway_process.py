@@ -71,6 +71,7 @@ async def _serve(handoff: Handoff, sockets: list[socket.socket], log_level: str)
             http="httptools",
             lifespan="on",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
+            access_log=settings.access_log,
         )
     )
     loop = asyncio.get_running_loop()

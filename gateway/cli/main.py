@@ -274,6 +274,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 http="httptools",
                 lifespan="on",
                 timeout_graceful_shutdown=settings.shutdown_grace_s,
+                access_log=settings.access_log,
             )
         )
         _print_up(settings, stack)
