@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,9 @@ class Request:
     usage: Usage | None = None
     """The engine's count: its final usage chunk, or the latest running count (vLLM's
     ``continuous_usage_stats``) when the stream was cut, so what was produced is billed."""
+    usage_so_far: Callable[[], Usage | None] | None = field(default=None, repr=False)
+    """Reads the engine's running count while a stream runs (``follow_usage``); the request
+    keeps it as ``usage`` when it ends."""
     moderation: list[ModerationDecision] = field(default_factory=list)
     """Every moderation decision taken on this request (input and output, flags included)."""
     resolved_by: str | None = None
@@ -251,10 +255,11 @@ class Request:
             self.longest_pause_s = max(self.longest_pause_s, now - self.last_output_at)
         self.last_output_at = now
 
-    def running_usage(self, usage: Usage) -> None:
-        """The engine's count so far (kept so a stream cut short bills what was produced)."""
+    def follow_usage(self, usage_so_far: Callable[[], Usage | None]) -> None:
+        """Where the engine's count so far is kept while a stream runs: read once, when the
+        request ends (so a stream cut short bills what was produced), not built per chunk."""
         self._check_open(self.phase)
-        self.usage = usage
+        self.usage_so_far = usage_so_far
 
     def mark_first_token(self) -> None:
         """Record the time the first output token left for the client (TTFT)."""
@@ -348,6 +353,9 @@ class Request:
 
     def _end(self, phase: RequestPhase) -> None:
         self._check_open(phase)
+        if self.usage_so_far is not None:
+            self.usage = self.usage_so_far() or self.usage
+            self.usage_so_far = None
         self.phase = phase
         self.finished_at = time.monotonic()
 

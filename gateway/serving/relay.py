@@ -48,6 +48,7 @@ class Relay:
         self._response_id = request.response_id
         self._model = request.model.version_name
         self._content_key = content_key(request.endpoint)
+        self._prompt_tokens: int | None = None
         self._choice_tokens: dict[int, int] = {}
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
@@ -68,6 +69,7 @@ class Relay:
         request = self._request
         include_usage = request.include_usage
         request.advance(RequestPhase.DECODING)
+        request.follow_usage(self.usage_so_far)
         async for payload in self._upstream.events(request.deadline):
             chunk = self._parse(payload)
             choices = chunk.get("choices")
@@ -99,31 +101,36 @@ class Relay:
             if output_filter is not None and output_filter.all_blocked:
                 # Every choice was cut: stop the engine now, bill what it produced.
                 self._upstream.close()
-                if include_usage and request.usage is not None:
-                    yield _usage_chunk(chunk, request.usage)
+                usage = self.usage_so_far()
+                if include_usage and usage is not None:
+                    yield _usage_chunk(chunk, usage)
                 return
 
     def _count_output(self, choices: list[dict[str, Any]]) -> None:
         """Output tokens as the engine sends them (about one per content delta): the fair
         queue charges them, and a stream cut without the engine's usage is billed by them."""
-        num_tokens = sum(_has_content(choice, self._content_key) for choice in choices)
+        num_tokens = 0
+        for choice in choices:  # a loop, not sum() over a generator: this runs per chunk
+            if _has_content(choice, self._content_key):
+                num_tokens += 1
         if num_tokens:
             self._request.count_output(num_tokens)
             self._charge_output(num_tokens)
 
     def _running_usage(self, usage: dict[str, Any], choices: list[dict[str, Any]]) -> None:
         """vLLM's ``continuous_usage_stats``: each chunk carries its choice's output so far.
-        Kept on the request, so a stream cut short is billed what the engine produced."""
+        Kept as plain counts, read by ``usage_so_far`` (a ``Usage`` per chunk was a twentieth
+        of the gateway's CPU per chunk)."""
+        completion_tokens = int(usage.get("completion_tokens") or 0)
         for choice in choices:
-            self._choice_tokens[int(choice.get("index", 0))] = int(
-                usage.get("completion_tokens") or 0
-            )
-        self._request.running_usage(
-            Usage(
-                prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                completion_tokens=sum(self._choice_tokens.values()),
-            )
-        )
+            self._choice_tokens[int(choice.get("index", 0))] = completion_tokens
+        self._prompt_tokens = int(usage.get("prompt_tokens") or 0)
+
+    def usage_so_far(self) -> Usage | None:
+        """The engine's count so far (its running usage), None before its first count."""
+        if self._prompt_tokens is None:
+            return None
+        return Usage(self._prompt_tokens, sum(self._choice_tokens.values()))
 
     def _parse(self, payload: bytes) -> dict[str, Any]:
         name = self._worker_name
@@ -159,6 +166,8 @@ def split_finish_chunk(chunk: dict[str, Any], content_key: str) -> list[dict[str
     reason alone, with an empty delta (or empty text). Clients that stop reading content at the
     finish reason then still get the last token."""
     choices: list[dict[str, Any]] = chunk["choices"]
+    if len(choices) == 1 and not choices[0].get("finish_reason"):
+        return [chunk]  # most chunks: one choice, still running
     finishing = [c for c in choices if c.get("finish_reason") and _has_content(c, content_key)]
     if not finishing:
         return [chunk]
