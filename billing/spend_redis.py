@@ -27,10 +27,10 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
 
 import orjson
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from core.redis_conn import bounded, connect
 
 _T = TypeVar("_T")
 
@@ -210,37 +210,11 @@ def _expire_at_s(month: str) -> int:
 
 
 def _connect(url: str, timeout_s: float, *, socket_timeout: bool = True) -> Redis:
-    """As ``admission.redis_conn.connect``; the listener's connection waits for messages
-    without a read timeout (it is told of a dead server by the connection dropping)."""
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=MAX_CONNECTIONS,
-        timeout=timeout_s,
-        socket_timeout=timeout_s if socket_timeout else None,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        decode_responses=True,
-    )
-    return Redis.from_pool(pool)
+    return connect(url, timeout_s, max_connections=MAX_CONNECTIONS, socket_timeout=socket_timeout)
 
 
 async def _bounded(call: Awaitable[_T], deadline_s: float) -> _T:
-    """As ``admission.redis_conn.bounded``: a cancellation that redis-py swallowed during the
-    call still ends in ``CancelledError``; any other failure is ``SpendStoreUnavailable``."""
-    task = asyncio.current_task()
-    cancels_before = task.cancelling() if task is not None else 0
-    try:
-        async with asyncio.timeout(deadline_s):
-            result = await call
-    except (RedisError, OSError, TimeoutError) as exc:
-        if task is not None and task.cancelling() > cancels_before:
-            raise asyncio.CancelledError from exc
-        raise SpendStoreUnavailable(
-            f"spend store unreachable: {type(exc).__name__}: {exc}"
-        ) from exc
-    if task is not None and task.cancelling() > cancels_before:
-        raise asyncio.CancelledError
-    return result
+    return await bounded(call, deadline_s, "spend store", SpendStoreUnavailable)
 
 
 async def _close_pubsub(pubsub: Any, client: Redis) -> None:
