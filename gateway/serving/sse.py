@@ -203,11 +203,18 @@ async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response
             await source.aclose()
             raise
         return EventStream(source.events(), source.headers, ping_interval_s, source.aclose)
+
+    async def close() -> None:
+        # However the response ends (even before its events started), the request stops
+        # waiting (leaves the queue, aborts its leg) before it is let go.
+        await _cancel(opening)
+        await source.aclose()
+
     return EventStream(
         _after_opening(opening, source),
         source.headers,
         ping_interval_s,
-        source.aclose,
+        close,
         heartbeat_first=True,
     )
 
@@ -216,16 +223,14 @@ async def _after_opening(
     opening: asyncio.Future[None], source: StreamSource
 ) -> AsyncIterator[bytes]:
     """A committed stream whose request is still queued or prefilling: the events once it
-    opens, or the error as one event."""
+    opens, or the error as one event. A client that leaves cancels the wait; the response's
+    close then cancels ``opening`` itself."""
     try:
         await asyncio.shield(opening)
     except TandemError as exc:
         log.info("stream failed before its first token: %s (%s)", exc.message, exc.code)
         yield orjson.dumps(exc.to_body())
         return
-    except asyncio.CancelledError:
-        await _cancel(opening)  # the client left: leave the queue or abort the leg now
-        raise
     async for payload in source.events():
         yield payload
 
