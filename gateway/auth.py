@@ -3,9 +3,9 @@
 Key lookups are cached for ``cache_ttl_s`` (default 0.5 s); for ``refresh_ahead_s`` more (0.4 s)
 a request still gets the cached answer while one background lookup refreshes it, so a key used
 steadily never waits for the store (a lookup is a hop to a store thread or Redis: about a
-millisecond at low load, most of the gateway's added time to first token). A revoked key or a
-changed plan takes effect on every replica within 0.9 s, while the store sees at most a couple
-of lookups per key per second. Last-used times are collected in memory and written in batches.
+millisecond at low load). A revoked key or a changed plan takes effect on every replica within
+0.9 s (at once on the one that made the change), while the store sees at most a couple of
+lookups per key per second. Last-used times are collected in memory and written in batches.
 """
 
 from __future__ import annotations
@@ -142,6 +142,17 @@ class Authenticator:
                 return cached.found
         # Shielded: one waiter's client leaving must not cancel the lookup the others share.
         return await asyncio.shield(self._fetch_once(digest, cached))
+
+    def forget(self, *, key_id: str | None = None, tenant_id: str | None = None) -> None:
+        """Drop the cached answers of a key, or of every key of a tenant: this gateway's own
+        admin change (a revocation, a new plan) takes effect here at once, other replicas
+        within the cache's bound."""
+        for digest, cached in list(self._cache.items()):
+            if cached.found is None:
+                continue
+            key, tenant = cached.found
+            if key.key_id == key_id or tenant.tenant_id == tenant_id:
+                del self._cache[digest]
 
     def _fetch_once(
         self, digest: str, cached: _Cached | None

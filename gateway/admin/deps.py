@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, Header
 from fastapi import Request as HttpRequest
@@ -33,6 +33,12 @@ T = TypeVar("T")
 ADMIN_STATE = "admin"
 
 
+class ForgetKeys(Protocol):
+    """Drops this gateway's cached answers for a key, or for every key of a tenant."""
+
+    def __call__(self, *, key_id: str | None = None, tenant_id: str | None = None) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AdminServices:
     """What the admin API and a tenant's own usage route use."""
@@ -44,6 +50,8 @@ class AdminServices:
     """The gateway's moderation providers, which a tenant's policy may name."""
     authenticate: Callable[[str | None], Awaitable[Caller]]
     """A tenant key's caller (401 otherwise, counted as a rejection): for ``/v1/usage``."""
+    forget_keys: ForgetKeys
+    """``Authenticator.forget``: drops cached keys after this gateway changed them."""
     catalog: Catalog
     """The deployed versions, traffic policies and the version store."""
     windows: VersionWindows

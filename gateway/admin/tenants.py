@@ -23,6 +23,7 @@ from admission.tenants import ApiKey
 from core.errors import ConflictError, InvalidRequestError, NotFoundError
 from core.moderation import Action
 from gateway.admin.deps import (
+    AdminDep,
     ControllerDep,
     ModeratorDep,
     RegistryDep,
@@ -146,7 +147,11 @@ async def get_tenant(tenant: str, registry: RegistryDep) -> dict[str, Any]:
 
 @router.patch("/tenants/{tenant}")
 async def update_tenant(
-    tenant: str, body: PlanFields, registry: RegistryDep, moderator: ModeratorDep
+    tenant: str,
+    body: PlanFields,
+    registry: RegistryDep,
+    moderator: ModeratorDep,
+    services: AdminDep,
 ) -> dict[str, Any]:
     """Change quotas, weight, band or moderation; omitted fields keep their values."""
     current = await resolve_tenant(registry, tenant)
@@ -155,6 +160,7 @@ async def update_tenant(
         updated = await store_call(registry.update_tenant(current.tenant_id, plan))
     except UnknownTenantError as exc:
         raise tenant_not_found(tenant) from exc
+    services.forget_keys(tenant_id=current.tenant_id)
     return tenant_to_dict(updated)
 
 
@@ -163,6 +169,7 @@ async def delete_tenant(
     tenant: str,
     registry: RegistryDep,
     controller: ControllerDep,
+    services: AdminDep,
 ) -> dict[str, Any]:
     """Delete a tenant, its keys and its quota counters."""
     current = await resolve_tenant(registry, tenant)
@@ -170,6 +177,7 @@ async def delete_tenant(
         await store_call(registry.delete_tenant(current.tenant_id))
     except UnknownTenantError as exc:
         raise tenant_not_found(tenant) from exc
+    services.forget_keys(tenant_id=current.tenant_id)
     await store_call(controller.forget(current.tenant_id))
     return {"id": current.tenant_id, "object": "tenant", "deleted": True}
 
@@ -196,12 +204,13 @@ async def list_keys(tenant: str, registry: RegistryDep) -> dict[str, Any]:
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_key(key_id: str, registry: RegistryDep) -> dict[str, Any]:
-    """Revoke a key; requests with it get 401 on every replica within a second."""
+async def revoke_key(key_id: str, registry: RegistryDep, services: AdminDep) -> dict[str, Any]:
+    """Revoke a key; requests with it get 401 here at once, on every replica within a second."""
     try:
         key = await store_call(registry.revoke_key(key_id))
     except UnknownKeyError as exc:
         raise NotFoundError(f"No API key with id '{key_id}'.", param="key_id") from exc
+    services.forget_keys(key_id=key.key_id)
     return _public_key(key)
 
 

@@ -400,6 +400,7 @@ async def assemble(
         controller=controller,
         moderator=moderator,
         authenticate=gate.authenticate,
+        forget_keys=authenticator.forget,
         catalog=catalog,
         windows=windows,
         shadow_comparisons=shadows.comparison_dicts,

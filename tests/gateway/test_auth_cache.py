@@ -80,3 +80,23 @@ async def test_past_the_refresh_ahead_a_request_waits_for_the_store(
     with pytest.raises(AuthenticationError) as refused:
         await auth.authenticate(header)
     assert refused.value.code == "revoked_api_key"
+
+
+async def test_a_key_revoked_on_this_gateway_is_refused_here_at_once(
+    registry: SqliteTenantRegistry,
+) -> None:
+    clock = Clock()
+    auth = Authenticator(registry, cache_ttl_s=TTL_S, refresh_ahead_s=AHEAD_S, clock=clock)
+    tenant = await registry.create_tenant("acme", Plan())
+    issued = await registry.issue_key(tenant.tenant_id, "k")
+    other = await registry.issue_key(tenant.tenant_id, "other")
+    header, other_header = f"Bearer {issued.plaintext}", f"Bearer {other.plaintext}"
+    await auth.authenticate(header)
+    await auth.authenticate(other_header)
+    await registry.revoke_key(issued.key.key_id)
+
+    auth.forget(key_id=issued.key.key_id)  # what the admin API's revocation does here
+    with pytest.raises(AuthenticationError) as refused:
+        await auth.authenticate(header)  # still fresh by the clock: no cache to hide it
+    assert refused.value.code == "revoked_api_key"
+    assert (await auth.authenticate(other_header)).tenant.name == "acme"  # the other key stays
