@@ -27,8 +27,9 @@ QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France?"}
 ]
 CHAT = {"model": MODEL, "messages": QUESTION, "max_tokens": 4}
-# Every replica's key cache expires within this long (the Authenticator's 0.5 s TTL, plus slack
-# for one request's round trip): the admin API promises changes take effect within a second.
+# Every replica's key cache follows a change within this long (the Authenticator's 0.5 s TTL
+# and 0.4 s refresh-ahead, plus slack for one request's round trip; the gateway that made the
+# change at once): the admin API promises changes take effect within a second.
 PROPAGATION_S = 1.0
 
 
