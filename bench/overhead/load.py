@@ -31,10 +31,10 @@ from bench.harness.workload import PlannedRequest, Target, TenantSpec
 from bench.overhead.measure import CpuWindow, LevelResult, core_busy, count_chunks
 
 CpuReader = Callable[[], tuple[float, float]]
+"""User and system CPU seconds so far."""
 RssReader = Callable[[], int]
 """The server's resident bytes now (``Server.rss_bytes``)."""
 RSS_SAMPLE_S = 0.05
-"""User and system CPU seconds so far."""
 
 _FILLER_TEXT = (
     "the quick brown fox jumps over the lazy dog while a gateway relays every token it hears "

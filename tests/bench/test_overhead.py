@@ -461,6 +461,19 @@ def test_cpu_per_request_and_chunk_net_of_idle() -> None:
     assert per_unit_ms(1.0, 0) is None and level(None, records).cpu_ms_per_chunk is None
 
 
+def test_memory_per_open_stream_is_the_growth_over_idle_per_stream() -> None:
+    records = [record(i, 0.001, [0.02]) for i in range(4)]
+    base = level(0.1, records)
+    grown = dataclasses.replace(
+        base, concurrency=4, rss_idle_bytes=100 * 2**20, rss_peak_bytes=100 * 2**20 + 4 * 50 * 1024
+    )
+    assert grown.kb_per_stream == pytest.approx(50.0)
+    shrunk = dataclasses.replace(grown, rss_peak_bytes=99 * 2**20)  # never negative
+    assert shrunk.kb_per_stream == 0.0
+    assert base.kb_per_stream is None  # not measured
+    assert grown.to_dict()["kb_per_stream"] == pytest.approx(50.0)
+
+
 def test_fit_splits_cost_into_per_request_and_per_chunk() -> None:
     # 1 ms per request + 0.1 ms per chunk: 2 chunks -> 1.2 ms, 10 chunks -> 2.0 ms.
     short = level(4 * 1.2e-3, [record(i, 0.001, [0.02]) for i in range(4)])
