@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from kv_transfer.connector import DEFAULT_KV_LEASE_S
+from kv_transfer.connector import DEFAULT_KV_LEASE_S, ConnectorConfig
 
 
 class RemoteModerationSettings(BaseModel):
@@ -108,6 +108,11 @@ class TandemSettings(BaseSettings):
     nixl_progress_delay_us: int = Field(1000, ge=0)
     """Poll timeout of each worker's NIXL progress thread, in µs. 0 is NIXL's own: a busy poll
     that keeps a whole core at 100 % on every idle worker."""
+    ucx_transports: str | None = None
+    """The managed workers' ``UCX_TLS`` for KV transfers, e.g. ``cma,tcp``; unset leaves UCX's
+    default, which picks per pair of workers (CMA on one host, RDMA or TCP across hosts;
+    ``kv_transfer/connector.py``). Shared-memory transports alone are refused: NIXL's messages
+    need ``tcp`` or an RDMA transport."""
     worker_ready_timeout_s: float = Field(600.0, gt=0)
     """How long ``tandem up`` waits for every worker to become healthy."""
 
@@ -321,6 +326,12 @@ class TandemSettings(BaseSettings):
         items = value.split(",") if isinstance(value, str) else value
         if isinstance(items, list):
             return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
+        return value
+
+    @field_validator("ucx_transports")
+    @classmethod
+    def _usable_ucx_transports(cls, value: str | None) -> str | None:
+        ConnectorConfig(ucx_transports=value)  # its ValueError names the fix
         return value
 
     @model_validator(mode="after")

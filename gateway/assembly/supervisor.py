@@ -38,7 +38,9 @@ from workers.registry import Worker
 def connector_config(settings: TandemSettings) -> ConnectorConfig:
     """The KV connector of every worker, which the gateway honours too (its KV lease)."""
     return ConnectorConfig(
-        kv_lease_s=settings.kv_lease_s, progress_delay_us=settings.nixl_progress_delay_us
+        kv_lease_s=settings.kv_lease_s,
+        progress_delay_us=settings.nixl_progress_delay_us,
+        ucx_transports=settings.ucx_transports,
     )
 
 

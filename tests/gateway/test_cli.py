@@ -7,8 +7,9 @@ import pytest
 
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stack import Stack
-from gateway.assembly.supervisor import port_is_free
+from gateway.assembly.supervisor import connector_config, port_is_free
 from gateway.cli.main import _parser, _settings_from_args, main
+from kv_transfer.connector import connector_env
 from tests.fakes.model_folder import fake_version
 from workers.process import worker_argv
 
@@ -38,6 +39,19 @@ def test_url_lists_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_invalid_setting_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_PORT", "70000")
     with pytest.raises(ValueError, match="port"):
+        TandemSettings()
+
+
+def test_ucx_transports_reach_every_worker_and_a_useless_list_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TANDEM_UCX_TRANSPORTS", "cma,tcp")
+    config = connector_config(TandemSettings())
+    assert connector_env(config, "127.0.0.1", 5600)["UCX_TLS"] == "cma,tcp"
+    monkeypatch.delenv("TANDEM_UCX_TRANSPORTS")
+    assert "UCX_TLS" not in connector_env(connector_config(TandemSettings()), "127.0.0.1", 5600)
+    monkeypatch.setenv("TANDEM_UCX_TRANSPORTS", "posix,sysv")  # shared memory alone: NIXL cannot start
+    with pytest.raises(ValueError, match="add 'tcp'"):
         TandemSettings()
 
 
