@@ -50,7 +50,8 @@ def test_ucx_transports_reach_every_worker_and_a_useless_list_is_refused(
     assert connector_env(config, "127.0.0.1", 5600)["UCX_TLS"] == "cma,tcp"
     monkeypatch.delenv("TANDEM_UCX_TRANSPORTS")
     assert "UCX_TLS" not in connector_env(connector_config(TandemSettings()), "127.0.0.1", 5600)
-    monkeypatch.setenv("TANDEM_UCX_TRANSPORTS", "posix,sysv")  # shared memory alone: NIXL cannot start
+    # Shared memory alone: NIXL cannot start.
+    monkeypatch.setenv("TANDEM_UCX_TRANSPORTS", "posix,sysv")
     with pytest.raises(ValueError, match="add 'tcp'"):
         TandemSettings()
 
