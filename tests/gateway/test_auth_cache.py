@@ -43,16 +43,34 @@ async def _settled() -> None:
         await asyncio.sleep(0.01)
 
 
+async def _cached_keys(
+    registry: SqliteTenantRegistry, clock: Clock, num_keys: int = 1
+) -> tuple[Authenticator, list[tuple[str, str]]]:
+    """An authenticator on ``clock`` and ``num_keys`` keys of one tenant, each authenticated
+    once (so cached): their ``Authorization`` headers and key ids."""
+    auth = Authenticator(registry, cache_ttl_s=TTL_S, refresh_ahead_s=AHEAD_S, clock=clock)
+    tenant = await registry.create_tenant("acme", Plan())
+    keys = []
+    for i in range(num_keys):
+        issued = await registry.issue_key(tenant.tenant_id, f"k{i}")
+        header = f"Bearer {issued.plaintext}"
+        assert (await auth.authenticate(header)).tenant.name == "acme"
+        keys.append((header, issued.key.key_id))
+    return auth, keys
+
+
+async def _assert_revoked(auth: Authenticator, header: str) -> None:
+    with pytest.raises(AuthenticationError) as refused:
+        await auth.authenticate(header)
+    assert refused.value.code == "revoked_api_key"
+
+
 async def test_a_revoked_key_is_served_from_the_cache_at_most_until_ttl_plus_refresh_ahead(
     registry: SqliteTenantRegistry,
 ) -> None:
     clock = Clock()
-    auth = Authenticator(registry, cache_ttl_s=TTL_S, refresh_ahead_s=AHEAD_S, clock=clock)
-    tenant = await registry.create_tenant("acme", Plan())
-    issued = await registry.issue_key(tenant.tenant_id, "k")
-    header = f"Bearer {issued.plaintext}"
-    assert (await auth.authenticate(header)).tenant.name == "acme"  # cached now
-    await registry.revoke_key(issued.key.key_id)
+    auth, [(header, key_id)] = await _cached_keys(registry, clock)
+    await registry.revoke_key(key_id)
 
     clock.now += TTL_S / 2  # fresh: the cached answer, no lookup
     assert (await auth.authenticate(header)).tenant.name == "acme"
@@ -60,43 +78,27 @@ async def test_a_revoked_key_is_served_from_the_cache_at_most_until_ttl_plus_ref
     clock.now += TTL_S / 2 + AHEAD_S / 2  # stale but within the refresh-ahead: still served ...
     assert (await auth.authenticate(header)).tenant.name == "acme"
     await _settled()  # ... while one lookup in the background reads the revocation
-    with pytest.raises(AuthenticationError) as refused:
-        await auth.authenticate(header)
-    assert refused.value.code == "revoked_api_key"
+    await _assert_revoked(auth, header)
 
 
 async def test_past_the_refresh_ahead_a_request_waits_for_the_store(
     registry: SqliteTenantRegistry,
 ) -> None:
     clock = Clock()
-    auth = Authenticator(registry, cache_ttl_s=TTL_S, refresh_ahead_s=AHEAD_S, clock=clock)
-    tenant = await registry.create_tenant("acme", Plan())
-    issued = await registry.issue_key(tenant.tenant_id, "k")
-    header = f"Bearer {issued.plaintext}"
-    await auth.authenticate(header)
-    await registry.revoke_key(issued.key.key_id)
+    auth, [(header, key_id)] = await _cached_keys(registry, clock)
+    await registry.revoke_key(key_id)
 
     clock.now += TTL_S + AHEAD_S + 0.01  # too old to serve: this request's own lookup decides
-    with pytest.raises(AuthenticationError) as refused:
-        await auth.authenticate(header)
-    assert refused.value.code == "revoked_api_key"
+    await _assert_revoked(auth, header)
 
 
 async def test_a_key_revoked_on_this_gateway_is_refused_here_at_once(
     registry: SqliteTenantRegistry,
 ) -> None:
     clock = Clock()
-    auth = Authenticator(registry, cache_ttl_s=TTL_S, refresh_ahead_s=AHEAD_S, clock=clock)
-    tenant = await registry.create_tenant("acme", Plan())
-    issued = await registry.issue_key(tenant.tenant_id, "k")
-    other = await registry.issue_key(tenant.tenant_id, "other")
-    header, other_header = f"Bearer {issued.plaintext}", f"Bearer {other.plaintext}"
-    await auth.authenticate(header)
-    await auth.authenticate(other_header)
-    await registry.revoke_key(issued.key.key_id)
+    auth, [(header, key_id), (other_header, _)] = await _cached_keys(registry, clock, 2)
+    await registry.revoke_key(key_id)
 
-    auth.forget(key_id=issued.key.key_id)  # what the admin API's revocation does here
-    with pytest.raises(AuthenticationError) as refused:
-        await auth.authenticate(header)  # still fresh by the clock: no cache to hide it
-    assert refused.value.code == "revoked_api_key"
+    auth.forget(key_id=key_id)  # what the admin API's revocation does here
+    await _assert_revoked(auth, header)  # still fresh by the clock: no cache to hide it
     assert (await auth.authenticate(other_header)).tenant.name == "acme"  # the other key stays
