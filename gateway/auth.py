@@ -6,6 +6,13 @@ steadily never waits for the store (a lookup is a hop to a store thread or Redis
 millisecond at low load). A revoked key or a changed plan takes effect on every replica within
 0.9 s (at once on the one that made the change), while the store sees at most a couple of
 lookups per key per second. Last-used times are collected in memory and written in batches.
+
+Failed authentications are counted per client address (``gateway/auth_throttle.py``): a client
+past its allowance gets 429 ``too_many_auth_failures`` without its key being looked up, unless
+the key is one this gateway holds in its cache as valid (a legitimate client behind the same
+address as a guesser keeps working with the key it uses). A failure is a missing, unknown or
+revoked tenant key, or a missing or wrong admin key on ``/admin``; the right admin key is
+never throttled (checking it looks nothing up).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -23,7 +31,14 @@ from admission.plans import Plan
 from admission.quota import StoreUnavailable
 from admission.registry import TenantRegistry
 from admission.tenants import ApiKey, Tenant, hash_key
-from core.errors import AuthenticationError, PermissionDeniedError, StoreUnavailableError
+from core.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    RateLimitError,
+    StoreUnavailableError,
+)
+from gateway.auth_throttle import AuthThrottleConfig, FailedAuthThrottle
+from gateway.client_address import current_client
 
 log = logging.getLogger("tandem.auth")
 
@@ -73,9 +88,12 @@ class Authenticator:
         cache_ttl_s: float = 0.5,
         refresh_ahead_s: float = 0.4,
         touch_interval_s: float = 5.0,
+        throttle: AuthThrottleConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
+        self._throttle_config = throttle or AuthThrottleConfig()
+        self._throttle = FailedAuthThrottle(self._throttle_config, clock)
         self._required = required
         self._cache_ttl_s = cache_ttl_s
         self._refresh_ahead_s = refresh_ahead_s
@@ -104,6 +122,14 @@ class Authenticator:
             if found is None or found[0].is_revoked:
                 return Caller(ANONYMOUS, None)
             return self._accept(*found)
+        self.refuse_if_throttled(token)
+        try:
+            return await self._tenant_caller(token)
+        except AuthenticationError:
+            self.count_failure()
+            raise
+
+    async def _tenant_caller(self, token: str | None) -> Caller:
         if token is None:
             raise AuthenticationError(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
@@ -121,6 +147,36 @@ class Authenticator:
                 code="revoked_api_key",
             )
         return self._accept(*found)
+
+    def refuse_if_throttled(self, token: str | None) -> None:
+        """429 for this request's client while it is throttled, unless ``token`` is a key
+        this gateway holds as valid: nothing is looked up for it."""
+        wait_s = self._throttle.retry_after_s(current_client())
+        if wait_s is None or (token is not None and self._holds_valid(token)):
+            return
+        config = self._throttle_config
+        raise RateLimitError(
+            f"Too many failed authentications from your address ({config.max_failures} "
+            f"within {config.window_s:g} s). Retry in {math.ceil(wait_s)} s with a valid key; "
+            "until then only keys this gateway has already verified are accepted from it.",
+            code="too_many_auth_failures",
+            retry_after_s=wait_s,
+        )
+
+    def count_failure(self) -> None:
+        """This request's client failed to authenticate (logged once when that throttles it)."""
+        client = current_client()
+        wait_s = self._throttle.record_failure(client)
+        if wait_s is not None:
+            log.warning(
+                "client %s throttled after %d failed authentications: its unverified keys are "
+                "refused for %.1f s (TANDEM_AUTH_FAILURE_LIMIT)",
+                client, self._throttle_config.max_failures, wait_s,
+            )  # fmt: skip
+
+    def _holds_valid(self, token: str) -> bool:
+        cached = self._cache.get(hash_key(token))
+        return cached is not None and cached.found is not None and not cached.found[0].is_revoked
 
     async def is_tenant_key(self, token: str) -> bool:
         """Whether ``token`` is a tenant's key (to tell 403 from 401 on the admin API)."""
@@ -214,7 +270,8 @@ class AdminAuth:
 
     async def check(self, authorization: str | None) -> str:
         """The admin's id for the audit log (``admin-`` and 8 hex of the key's SHA-256) for
-        the admin key; 403 for a tenant key; 401 otherwise."""
+        the admin key; 403 for a tenant key; 429 while the client is throttled (the admin key
+        itself passes); 401 otherwise."""
         token = bearer_token(authorization)
         if self._admin_key is None:
             raise AuthenticationError(
@@ -224,11 +281,13 @@ class AdminAuth:
             )
         if token is not None and secrets.compare_digest(token, self._admin_key):
             return "admin-" + hashlib.sha256(token.encode()).hexdigest()[:8]
+        self._authenticator.refuse_if_throttled(token)
         if token is not None and await self._authenticator.is_tenant_key(token):
             raise PermissionDeniedError(
                 "Tenant API keys cannot use the admin API; use the admin key "
                 "(TANDEM_ADMIN_KEY, or the file named in the gateway's startup log)."
             )
+        self._authenticator.count_failure()
         raise AuthenticationError(
             "The admin API needs 'Authorization: Bearer ADMIN_KEY'.", code="invalid_admin_key"
         )

@@ -35,11 +35,15 @@ from gateway.admin.models import router as models_router
 from gateway.admin.planner import router as planner_router
 from gateway.admin.rollouts import router as rollouts_router
 from gateway.admin.tenants import router as admin_router
+from gateway.assembly.openapi import install_openapi
 from gateway.assembly.stores import StoreConfig, open_lease, open_spend_store, open_stores
 from gateway.audited import CONFIG_ACTOR, register_version, set_policy
 from gateway.auth import AdminAuth, Authenticator
+from gateway.auth_throttle import AuthThrottleConfig
 from gateway.catalog import Catalog, Deployer, VersionBuilder
+from gateway.client_address import ClientAddress
 from gateway.errors import install_error_handlers
+from gateway.limits import RequestLimits, RequestLimitsMiddleware
 from gateway.local_actuator import LocalActuator, WorkerLauncher
 from gateway.metrics import GatewayMetrics
 from gateway.operations import GatewayTraffic
@@ -89,6 +93,8 @@ class AccessConfig:
 
     auth_required: bool = True
     """Require tenant keys; ``False`` serves unknown callers as the unlimited anonymous tenant."""
+    auth_throttle: AuthThrottleConfig = field(default_factory=AuthThrottleConfig)
+    """Failed authentications slowed per client address, and the proxies trusted to name it."""
     admin_key: str | None = None
     """The admin API's credential; ``None`` leaves the admin API closed (401 for everyone)."""
     stores: StoreConfig = field(default_factory=StoreConfig)
@@ -186,6 +192,8 @@ class GatewayConfig:
     """Where request traces are exported (``OTEL_*``); off by default."""
     otlp_metrics: OtlpMetricsConfig = field(default_factory=OtlpMetricsConfig)
     """Where the GenAI metrics are pushed over OTLP besides ``/metrics``; off by default."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """What one request may send (body size and time; the HTTP server bounds the head)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +233,8 @@ def create_app(
 
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    install_openapi(app)
+    app.add_middleware(ClientAddress, trusted_proxies=config.access.auth_throttle.trusted_proxies)
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(billing_admin_router)
@@ -232,6 +242,8 @@ def create_app(
     app.include_router(rollouts_router)
     app.include_router(planner_router)
     app.include_router(usage_router)
+    # Outermost: a body is complete, within its limits, before any other layer or route runs.
+    app.add_middleware(RequestLimitsMiddleware, limits=config.limits)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -304,6 +316,7 @@ async def assemble(
         required=access.auth_required,
         cache_ttl_s=access.key_cache_ttl_s,
         touch_interval_s=access.key_touch_interval_s,
+        throttle=access.auth_throttle,
     )
     await authenticator.start()
     resources.push_async_callback(authenticator.aclose)

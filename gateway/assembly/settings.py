@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.client_address import parse_trusted_proxies
 from kv_transfer.connector import DEFAULT_KV_LEASE_S, ConnectorConfig
 
 
@@ -181,6 +182,18 @@ class TandemSettings(BaseSettings):
     auth_required: bool = True
     """Require a tenant API key on the OpenAI routes; ``false`` serves unknown callers as an
     unlimited ``anonymous`` tenant (local development only)."""
+    auth_failure_limit: int = Field(10, ge=0)
+    """Failed authentications (missing, unknown or revoked keys; wrong admin keys) a client
+    address may make in a burst; past them it gets 429 ``too_many_auth_failures`` without its
+    key being looked up, unless the key is one the gateway already verified
+    (``gateway/auth_throttle.py``). Per gateway process. 0: never throttled."""
+    auth_failure_window_s: float = Field(60.0, gt=0)
+    """The limit refills over this time: a throttled client gets one attempt more every
+    ``auth_failure_window_s / auth_failure_limit``."""
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Proxies (addresses or networks, comma-separated: ``10.0.0.0/8,127.0.0.1``) whose
+    ``X-Forwarded-For`` names the client the failed-authentication limit counts; unset: the
+    connecting address is the client, and ``X-Forwarded-For`` is ignored."""
     max_queue: int = Field(1024, ge=1)
     """Requests that may wait for admission at once on this gateway; more are shed (503)."""
     max_in_flight_per_worker: int = Field(32, ge=1)
@@ -327,6 +340,15 @@ class TandemSettings(BaseSettings):
         if isinstance(items, list):
             return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
         return value
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: object) -> object:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list):
+            items = [str(item).strip() for item in items if str(item).strip()]
+            parse_trusted_proxies(items)  # its ValueError names the entry and the fix
+        return items
 
     @field_validator("ucx_transports")
     @classmethod

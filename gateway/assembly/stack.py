@@ -32,6 +32,7 @@ from gateway.assembly.config_file import ConfigFileError, StackFile, with_versio
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stores import StoreConfig
 from gateway.assembly.supervisor import LocalVersionBuilder, Supervisor, connector_config
+from gateway.auth_throttle import AuthThrottleConfig
 from gateway.catalog import DeploymentSpec
 from gateway.local_actuator import WorkerBudget, host_memory_gib
 from gateway.planning import PlannerConfig
@@ -329,6 +330,11 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
         log.info("admin API key: in %s (set TANDEM_ADMIN_KEY to choose your own)", path)
     return AccessConfig(
         auth_required=settings.auth_required,
+        auth_throttle=AuthThrottleConfig(
+            max_failures=settings.auth_failure_limit,
+            window_s=settings.auth_failure_window_s,
+            trusted_proxies=tuple(settings.trusted_proxies),
+        ),
         admin_key=admin_key,
         stores=StoreConfig(
             redis_url=settings.redis_url,

@@ -72,6 +72,7 @@ async def _serve(handoff: Handoff, sockets: list[socket.socket], log_level: str)
             lifespan="on",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
             access_log=settings.access_log,
+            proxy_headers=False,  # clients are resolved by gateway/client_address.py alone
         )
     )
     loop = asyncio.get_running_loop()

@@ -275,6 +275,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 lifespan="on",
                 timeout_graceful_shutdown=settings.shutdown_grace_s,
                 access_log=settings.access_log,
+                proxy_headers=False,  # clients are resolved by gateway/client_address.py alone
             )
         )
         _print_up(settings, stack)
