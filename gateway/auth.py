@@ -279,7 +279,9 @@ class AdminAuth:
                 "(set TANDEM_ADMIN_KEY).",
                 code="admin_api_disabled",
             )
-        if token is not None and secrets.compare_digest(token, self._admin_key):
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters (TypeError),
+        # and header bytes past ASCII arrive as such (latin-1).
+        if token is not None and secrets.compare_digest(token.encode(), self._admin_key.encode()):
             return "admin-" + hashlib.sha256(token.encode()).hexdigest()[:8]
         self._authenticator.refuse_if_throttled(token)
         if token is not None and await self._authenticator.is_tenant_key(token):

@@ -174,3 +174,14 @@ async def test_every_admin_route_refuses_a_tenant_key(
     }
     assert not refused, f"admin routes that did not refuse a tenant key: {refused}"
     assert (await stack.admin.get("/admin/v1/tenants")).json() == before, "nothing changed"
+
+
+async def test_a_credential_with_non_ascii_bytes_is_refused_not_an_error(
+    http: httpx.AsyncClient,
+) -> None:
+    """Header bytes past ASCII reach the checks as text too (latin-1): both routes answer 401."""
+    odd = {"Authorization": b"Bearer tdm-caf\xe9"}
+    admin = await http.get("/admin/v1/tenants", headers=odd)
+    assert (admin.status_code, admin.json()["error"]["code"]) == (401, "invalid_admin_key")
+    serving = await http.get("/v1/models", headers=odd)
+    assert (serving.status_code, serving.json()["error"]["code"]) == (401, "invalid_api_key")
