@@ -81,6 +81,9 @@ class OtlpReceiver:
 
     spans: list[ReceivedSpan] = field(default_factory=list)
     points: list[ReceivedPoint] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    """Every export's body as received (decompressed): what leak checks search whole
+    (tests/security), attributes of span events and links included."""
     num_exports: int = 0
     _runner: web.AppRunner | None = None
     port: int = 0
@@ -138,7 +141,8 @@ class OtlpReceiver:
 
     async def _export_metrics(self, request: web.Request) -> web.Response:
         message = ExportMetricsServiceRequest()
-        message.ParseFromString(await _read_body(request))
+        self.payloads.append(await _read_body(request))
+        message.ParseFromString(self.payloads[-1])
         self.num_exports += 1
         for resource_metrics in message.resource_metrics:
             for scope_metrics in resource_metrics.scope_metrics:
@@ -164,7 +168,8 @@ class OtlpReceiver:
 
     async def _export(self, request: web.Request) -> web.Response:
         message = ExportTraceServiceRequest()
-        message.ParseFromString(await _read_body(request))
+        self.payloads.append(await _read_body(request))
+        message.ParseFromString(self.payloads[-1])
         self.num_exports += 1
         for resource_spans in message.resource_spans:
             resource = _attributes(resource_spans.resource.attributes)
