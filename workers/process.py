@@ -181,6 +181,14 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
     return argv
 
 
+def inherited_env() -> dict[str, str]:
+    """The environment a worker inherits: the gateway's, without Tandem's own settings
+    (``TANDEM_*``). Those hold the gateway's secrets (the admin key, the ledger's and Redis's
+    URLs with their passwords, moderation providers' keys), which vLLM and the model code it
+    runs have no use for; what a worker needs from Tandem comes from ``worker_env``."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("TANDEM_")}
+
+
 def worker_env(spec: WorkerSpec) -> dict[str, str]:
     """Environment Tandem adds to (not replaces) the inherited one for this worker."""
     env = {
@@ -269,7 +277,7 @@ class WorkerProcess:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **worker_env(self.spec)},
+                env={**inherited_env(), **worker_env(self.spec)},
                 # A new session makes the worker lead its own process group, so one killpg
                 # reaches everything vLLM forks, and a Ctrl-C on the gateway's terminal doesn't.
                 start_new_session=True,
