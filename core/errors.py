@@ -7,7 +7,10 @@ renders them in one handler; a stream that already started carries them as one `
     TandemError                      500 api_error
     ├── InvalidRequestError          400 invalid_request_error
     │   ├── ContextLengthExceededError   400 code=context_length_exceeded
-    │   └── ContentFilterError           400 code=content_filter (input moderation blocked it)
+    │   ├── ContentFilterError           400 code=content_filter (input moderation blocked it)
+    │   ├── RequestTimeoutError          408 code=request_timeout (the request arrived too slowly)
+    │   ├── BodyTooLargeError            413 code=body_too_large
+    │   └── HeadersTooLargeError         431 code=headers_too_large
     ├── AuthenticationError          401 authentication_error
     ├── PermissionDeniedError        403 permission_denied
     ├── NotFoundError                404 not_found_error (admin resources)
@@ -99,6 +102,28 @@ class ContentFilterError(InvalidRequestError):
     """Input moderation blocked the request; nothing was generated or charged."""
 
     default_code = "content_filter"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The request's head or body did not arrive within the gateway's time limit (a client
+    sending it byte by byte); the connection is closed."""
+
+    status_code = 408
+    default_code = "request_timeout"
+
+
+class BodyTooLargeError(InvalidRequestError):
+    """The request body is larger than the gateway accepts."""
+
+    status_code = 413
+    default_code = "body_too_large"
+
+
+class HeadersTooLargeError(InvalidRequestError):
+    """The request line and headers are larger than the gateway accepts."""
+
+    status_code = 431
+    default_code = "headers_too_large"
 
 
 class AuthenticationError(TandemError):
