@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from core.errors import InvalidRequestError, TandemError
 
@@ -55,7 +56,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         error_type, code = _HTTP_STATUS_TYPES.get(exc.status_code, ("api_error", None))
-        error = TandemError(f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette's Allow names the first route on the path only; HTTP wants them all.
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        error = TandemError(
+            f"{request.method} {request.url.path}: {exc.detail}", code=code, extra_headers=headers
+        )
         error.status_code, error.error_type = exc.status_code, error_type
         return error_response(error)
 
@@ -68,3 +75,12 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
