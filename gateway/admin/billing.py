@@ -15,7 +15,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from billing.budgets import BudgetStatus
 from billing.cost import figures_to_json
@@ -57,11 +57,12 @@ class PriceCardCreate(BaseModel):
 
     model_version: Annotated[str, Field(min_length=1)]
     """The model version it prices (``/admin/v1/billing/cost`` and ledger rows show them)."""
-    input_per_1k: str | float
+    # Strict numbers: a JSON boolean is not a price (false was taken as 0).
+    input_per_1k: str | StrictFloat
     """Price per 1k uncached prompt tokens, as a decimal string (``"0.00015"``)."""
-    output_per_1k: str | float
+    output_per_1k: str | StrictFloat
     """Price per 1k completion tokens."""
-    cached_input_per_1k: str | float | None = None
+    cached_input_per_1k: str | StrictFloat | None = None
     """Price per 1k prompt tokens served from the prefix cache; default: ``input_per_1k``."""
     effective_from: str | None = None
     """RFC 3339 time from which requests are priced by it; default: now. Never in the past."""
@@ -72,13 +73,13 @@ class AccountUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    monthly_budget: str | float | None = None
+    monthly_budget: str | StrictFloat | None = None
     """Spend limit per UTC calendar month in currency units (``"250.00"``); null: unlimited."""
-    alert_thresholds_pct: list[Annotated[int, Field(ge=1, le=1000)]] | None = None
+    alert_thresholds_pct: list[Annotated[StrictInt, Field(ge=1, le=1000)]] | None = None
     """Percentages of the budget at which an alert fires, e.g. ``[50, 80, 100]``."""
-    request_log: bool | None = None
+    request_log: StrictBool | None = None
     """Keep this tenant's prompts and outputs (PII scrubbed)."""
-    request_log_retention_s: Annotated[int, Field(ge=60)] | None = None
+    request_log_retention_s: Annotated[StrictInt, Field(ge=60)] | None = None
     """How long kept prompts and outputs live."""
 
 

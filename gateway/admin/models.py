@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from billing.cost import MICROS_PER_USD, figures_to_json
 from core.errors import ConflictError, InvalidRequestError, NotFoundError
@@ -79,8 +79,8 @@ class DeployFields(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     version: str = Field(min_length=1)
-    prefill_workers: int = Field(0, ge=0)
-    decode_workers: int = Field(1, ge=0)
+    prefill_workers: StrictInt = Field(0, ge=0)  # strict: true is not 1 worker
+    decode_workers: StrictInt = Field(1, ge=0)
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
     served_as: str | None = None

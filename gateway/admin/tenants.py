@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from admission.plan_codec import key_to_dict, plan_from_dict, plan_to_dict, tenant_to_dict
 from admission.plans import Plan, PriorityBand
@@ -35,7 +35,8 @@ from gateway.admin.deps import (
 from moderation.moderator import Moderator
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
-Limit = Annotated[int, Field(ge=1)] | None
+# Strict: a JSON boolean or string is not a number here (true was taken as a limit of 1).
+Limit = Annotated[int, Strict(), Field(ge=1)] | None
 
 
 class StagePolicyFields(BaseModel):
@@ -77,7 +78,7 @@ class PlanFields(BaseModel):
     """Largest prompt per request."""
     max_output_tokens: Limit = None
     """Largest max_tokens per request."""
-    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    weight: Annotated[float, Strict(), Field(gt=0, le=1000)] = 1.0
     """Fair-share weight under contention."""
     band: PriorityBand = PriorityBand.STANDARD
     """interactive, standard or batch."""
