@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,9 @@ class LiveStack:
     log_dir: Path | None = None  # each worker's log, <role>-<i>.log
     pid: int = 0  # of ``tandem up``: the workers are its children
     version: str = ""  # the version ``model`` resolves to (alias@8hex): what the workers serve
+    # Every key ``new_tenant`` issued this session, so tests/e2e/test_zy_secrets.py can search
+    # the stack's logs for each; one list shared by the fixture's two copies of the stack.
+    issued_keys: list[str] = field(default_factory=list)
 
     @property
     def admin(self) -> httpx.Client:
@@ -61,7 +64,8 @@ class LiveStack:
             assert created.status_code == 201, created.text
             issued = admin.post(f"/admin/v1/tenants/{name}/keys", json={})
             assert issued.status_code == 201, issued.text
-            return str(issued.json()["key"])
+            self.issued_keys.append(issued.json()["key"])
+            return self.issued_keys[-1]
 
 
 LONG_PROMPT = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 40
@@ -209,6 +213,7 @@ def live_stack(
     yield LiveStack(
         gateway, model, workers["prefill"], workers["decode"], MAX_MODEL_LEN, api_key,
         log_dir=workdir / "logs", pid=process.pid, version=version,
+        issued_keys=stack.issued_keys,
     )  # fmt: skip
 
     # Collected now, not at boot: workers restarted during the session must not linger either.
