@@ -94,7 +94,7 @@ async def run_faults(
 
 
 async def _inject(stack: SoakStack, load: Load, kind: FaultKind) -> Fault:
-    workers = await stack.worker_urls()
+    workers = stack.worker_urls
     if kind is FaultKind.PREFILL_KILL:
         # Mid-transfer: a long prompt sent within the last second, still without a token.
         await _moment(load, lambda s: s.long_prompt and s.first_token_s is None, max_age_s=1.0)

@@ -114,7 +114,7 @@ async def _worker_gauges(stack: SoakStack, name: str) -> dict[str, float]:
     """Each worker's gauge ``name`` (summed over its series), by role."""
     gauges = {}
     async with httpx.AsyncClient(timeout=10) as client:
-        for role, url in (await stack.worker_urls()).items():
+        for role, url in stack.worker_urls.items():
             gauges[role] = _sum((await client.get(f"{url}/metrics")).text, name)
     return gauges
 

@@ -59,6 +59,8 @@ class SoakStack:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.redis = OwnedRedis(spec.workdir / "redis")
         self.ledger_url = ""
+        self.worker_urls: dict[str, str] = {}
+        """Each role's worker URL (one worker per role), once started."""
         self.log_path = spec.workdir / "tandem-up.log"
         self._postgres: Any = None
         self._process: asyncio.subprocess.Process | None = None
@@ -88,7 +90,10 @@ class SoakStack:
                 env=self._env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True,
             )  # fmt: skip
-        await self.wait_ready(BOOT_TIMEOUT_S)
+        ready = await self.wait_ready(BOOT_TIMEOUT_S)
+        # A restarted worker keeps its name and port, and the planner is off: these hold for
+        # the whole run, and need no gateway to answer (one may be the fault).
+        self.worker_urls = {str(w["role"]): str(w["url"]) for w in ready["workers"]}
 
     def _env(self) -> dict[str, str]:
         spec = self.spec
@@ -149,12 +154,6 @@ class SoakStack:
             return str(models.json()["data"][0]["id"])
 
     # What runs, found where the stack publishes it.
-
-    async def worker_urls(self) -> dict[str, str]:
-        """Each role's worker URL (one worker per role), from ``/ready``."""
-        async with httpx.AsyncClient(timeout=5) as client:
-            body = (await client.get(f"{self.base_url}/ready")).json()
-        return {str(w["role"]): str(w["url"]) for w in body["workers"]}
 
     def gateway_processes(self) -> list[dict[str, Any]]:
         """Each gateway process's index, pid and own URL (``gateway-processes.json``)."""
