@@ -107,6 +107,7 @@ class LedgerWriter:
         self._draining = asyncio.Lock()  # one drain at a time: segments leave in order, once
         self._task: asyncio.Task[None] | None = None
         self._retry_s = config.retry_initial_s
+        self._migrated = False
 
     async def start(self) -> None:
         """Migrate the schema if the database is up, queue any segments a previous process left,
@@ -121,14 +122,11 @@ class LedgerWriter:
             log.info("ledger: replaying %d spool segment(s) from %s", len(self._sealed),
                      self._config.spool_dir)  # fmt: skip
         try:
-            applied = await self.run(self._store.migrate)
+            await self._migrate()
         except LedgerUnavailableError as exc:
             self.stats.database_up = False
             log.error("ledger database unavailable at start (records spool until it is up): %s",
                       exc)  # fmt: skip
-        else:
-            if applied:
-                log.info("ledger: applied schema migrations %s", applied)
         self._task = asyncio.create_task(self._run(), name="ledger-writer")
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
@@ -197,19 +195,28 @@ class LedgerWriter:
             return await self._drain_locked()
 
     async def _drain_locked(self) -> bool:
-        while self._sealed:
-            segment = self._sealed[0]
-            try:
-                await self._write(segment)
-            except LedgerUnavailableError as exc:
-                self._on_failure(segment, exc)
-                return False
-            self._sealed.popleft()
-            if not self.stats.database_up:
-                log.info("ledger database is back: writing spooled records")
-            self.stats.database_up = True
-            self._retry_s = self._config.retry_initial_s
+        try:
+            if not self._migrated:
+                # The database was down at start: its schema may not exist yet, and inserts
+                # (and the reads that flush first) need it.
+                await self._migrate()
+                self._on_success()
+            while self._sealed:
+                await self._write(self._sealed[0])
+                self._sealed.popleft()
+                self._on_success()
+        except LedgerUnavailableError as exc:
+            self._on_failure(exc)
+            return False
         return True
+
+    async def _migrate(self) -> None:
+        """Bring the schema up to date, once per process: at start, or at the first drain
+        that reaches the database if it was down then."""
+        applied = await self.run(self._store.migrate)
+        self._migrated = True
+        if applied:
+            log.info("ledger: applied schema migrations %s", applied)
 
     async def _write(self, segment: _Segment) -> None:
         if segment.usage is None or segment.logs is None:
@@ -231,14 +238,20 @@ class LedgerWriter:
             await self.run(self._store.insert_request_log, logs)
         await self.run(_unlink, segment.path)
 
-    def _on_failure(self, segment: _Segment, exc: LedgerUnavailableError) -> None:
+    def _on_success(self) -> None:
+        if not self.stats.database_up:
+            log.info("ledger database is back: writing spooled records")
+        self.stats.database_up = True
+        self._retry_s = self._config.retry_initial_s
+
+    def _on_failure(self, exc: LedgerUnavailableError) -> None:
         self.stats.num_write_failures += 1
         if self.stats.database_up:
             log.error("ledger database unavailable; spooling records in %s: %s",
                       self._config.spool_dir, exc)  # fmt: skip
         self.stats.database_up = False
         # Their records are on disk: memory stays flat however long the outage lasts.
-        for sealed in (segment, *self._sealed):
+        for sealed in self._sealed:
             _drop_lists(sealed)
         self._retry_s = min(self._retry_s * 2, self._config.retry_max_s)
 
