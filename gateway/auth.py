@@ -38,7 +38,7 @@ from core.errors import (
     StoreUnavailableError,
 )
 from gateway.auth_throttle import AuthThrottleConfig, FailedAuthThrottle
-from gateway.client_address import current_client
+from gateway.client_address import current_client, is_local
 
 log = logging.getLogger("tandem.auth")
 
@@ -264,14 +264,37 @@ class Authenticator:
 class AdminAuth:
     """The admin credential: a tenant key is never accepted on ``/admin``."""
 
-    def __init__(self, admin_key: str | None, authenticator: Authenticator) -> None:
+    def __init__(
+        self, admin_key: str | None, authenticator: Authenticator, *, metrics_public: bool = False
+    ) -> None:
+        """``metrics_public``: anyone may read ``/metrics``; else only clients on this host
+        and the admin key."""
         self._admin_key = admin_key
         self._authenticator = authenticator
+        self._metrics_public = metrics_public
 
     async def check(self, authorization: str | None) -> str:
         """The admin's id for the audit log (``admin-`` and 8 hex of the key's SHA-256) for
         the admin key; 403 for a tenant key; 429 while the client is throttled (the admin key
         itself passes); 401 otherwise."""
+        return await self._check(
+            authorization, "The admin API needs 'Authorization: Bearer ADMIN_KEY'."
+        )
+
+    async def check_metrics(self, authorization: str | None) -> None:
+        """``/metrics`` shows every tenant's tokens, spend and budget: a client on this host
+        (the scrapers of one machine) reads it freely, any other needs the admin key, as
+        ``check`` answers, unless the metrics are public."""
+        if self._metrics_public or is_local(current_client()):
+            return
+        await self._check(
+            authorization,
+            "/metrics shows every tenant's usage: from another host it needs "
+            "'Authorization: Bearer ADMIN_KEY' (or TANDEM_METRICS_PUBLIC=true where only "
+            "scrapers reach this port).",
+        )
+
+    async def _check(self, authorization: str | None, needs: str) -> str:
         token = bearer_token(authorization)
         if self._admin_key is None:
             raise AuthenticationError(
@@ -290,9 +313,7 @@ class AdminAuth:
                 "(TANDEM_ADMIN_KEY, or the file named in the gateway's startup log)."
             )
         self._authenticator.count_failure()
-        raise AuthenticationError(
-            "The admin API needs 'Authorization: Bearer ADMIN_KEY'.", code="invalid_admin_key"
-        )
+        raise AuthenticationError(needs, code="invalid_admin_key")
 
 
 def _redact(token: str) -> str:

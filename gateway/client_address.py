@@ -34,6 +34,19 @@ def current_client() -> str | None:
     return _client.get()
 
 
+def is_local(address: str | None) -> bool:
+    """Whether ``address`` is on this host: loopback (``127.0.0.0/8``, ``::1``, IPv4-mapped)."""
+    if address is None:
+        return False
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        parsed = parsed.ipv4_mapped
+    return parsed.is_loopback
+
+
 def parse_trusted_proxies(entries: Iterable[str]) -> tuple[Network, ...]:
     """Addresses (``10.0.0.7``) and networks (``10.0.0.0/8``, ``fd00::/8``); ValueError names
     the entry that is neither."""

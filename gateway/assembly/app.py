@@ -95,6 +95,9 @@ class AccessConfig:
     """Require tenant keys; ``False`` serves unknown callers as the unlimited anonymous tenant."""
     auth_throttle: AuthThrottleConfig = field(default_factory=AuthThrottleConfig)
     """Failed authentications slowed per client address, and the proxies trusted to name it."""
+    metrics_public: bool = False
+    """Anyone may read ``/metrics`` (every tenant's usage); else clients on this host and the
+    admin key only."""
     admin_key: str | None = None
     """The admin API's credential; ``None`` leaves the admin API closed (401 for everyone)."""
     stores: StoreConfig = field(default_factory=StoreConfig)
@@ -256,6 +259,7 @@ def create_app(
         the workers' own prefix-cache and KV-transfer counters; OpenMetrics (with exemplars)
         when the scrape's ``Accept`` asks for it."""
         services: Services = getattr(http_request.state, _OPS)
+        await services.admin.admin_auth.check_metrics(http_request.headers.get("authorization"))
         from_workers = await scrape_workers(services.engine.session, [prefill, decode])
         body, content_type = metrics.expose(http_request.headers.get("accept"), from_workers)
         return Response(body, media_type=content_type)
@@ -408,7 +412,7 @@ async def assemble(
         backlog=backlog,
     )
     admin = AdminServices(
-        admin_auth=AdminAuth(access.admin_key, authenticator),
+        admin_auth=AdminAuth(access.admin_key, authenticator, metrics_public=access.metrics_public),
         registry=stores.registry,
         controller=controller,
         moderator=moderator,

@@ -190,6 +190,10 @@ class TandemSettings(BaseSettings):
     auth_failure_window_s: float = Field(60.0, gt=0)
     """The limit refills over this time: a throttled client gets one attempt more every
     ``auth_failure_window_s / auth_failure_limit``."""
+    metrics_public: bool = False
+    """Anyone who reaches the port may read ``/metrics``, which shows every tenant's tokens,
+    spend and budget. Off: clients on this host (local scrapers) read it freely, others need
+    the admin key (``Authorization: Bearer``, as Prometheus's ``authorization`` sends it)."""
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Proxies (addresses or networks, comma-separated: ``10.0.0.0/8,127.0.0.1``) whose
     ``X-Forwarded-For`` names the client the failed-authentication limit counts; unset: the

@@ -335,6 +335,7 @@ def access_config(settings: TandemSettings, model_dir: Path | None) -> AccessCon
             window_s=settings.auth_failure_window_s,
             trusted_proxies=tuple(settings.trusted_proxies),
         ),
+        metrics_public=settings.metrics_public,
         admin_key=admin_key,
         stores=StoreConfig(
             redis_url=settings.redis_url,

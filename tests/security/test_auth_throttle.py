@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from gateway.assembly.settings import TandemSettings
 from gateway.auth_throttle import AuthThrottleConfig, FailedAuthThrottle, client_key
-from gateway.client_address import parse_trusted_proxies, resolve_client
+from gateway.client_address import is_local, parse_trusted_proxies, resolve_client
 
 
 class FakeClock:
@@ -128,6 +128,11 @@ def test_the_client_is_the_rightmost_address_that_is_not_a_trusted_proxy() -> No
     assert resolve_client("10.1.2.3", ["203.0.113.9:5123"], PROXIES) == "203.0.113.9"
     assert resolve_client("10.1.2.3", ["[2001:db8::5]:443"], PROXIES) == "2001:db8::5"
     assert resolve_client("10.1.2.3", ["203.0.113.9, junk"], PROXIES) == "junk"
+
+
+def test_local_clients_are_this_hosts_loopback_addresses() -> None:
+    assert all(is_local(a) for a in ("127.0.0.1", "127.0.0.9", "::1", "::ffff:127.0.0.1"))
+    assert not any(is_local(a) for a in ("10.0.0.1", "2001:db8::1", "junk", None))
 
 
 def test_trusted_proxies_setting_names_a_bad_entry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,11 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from gateway.assembly.app import GatewayConfig, create_app
+from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
+from gateway.assembly.stores import StoreConfig
+from gateway.auth_throttle import AuthThrottleConfig
 from gateway.serving.upstream import UpstreamConfig
-from tests.gateway.conftest import MODEL, FakeStack, make_fake_stack
+from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack
 from workers.deployments import Deployments
 
 REPLAYED = "idempotent-replayed"
@@ -37,9 +39,18 @@ class Tenant:
         return {"Authorization": f"Bearer {self.key}"}
 
 
+PROXY = "127.0.0.9"
+"""A proxy the gateway trusts: through it, tests reach the gateway as clients off this host."""
+
+
 @pytest.fixture(scope="module")
-async def stack() -> AsyncIterator[FakeStack]:
-    async with make_fake_stack() as fake_stack:
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[FakeStack]:
+    access = AccessConfig(
+        admin_key=ADMIN_KEY,
+        stores=StoreConfig(sqlite_path=tmp_path_factory.mktemp("isolation") / "tandem.db"),
+        auth_throttle=AuthThrottleConfig(trusted_proxies=(PROXY,)),
+    )
+    async with make_fake_stack(access=access) as fake_stack:
         yield fake_stack
 
 
@@ -185,3 +196,30 @@ async def test_a_credential_with_non_ascii_bytes_is_refused_not_an_error(
     assert (admin.status_code, admin.json()["error"]["code"]) == (401, "invalid_admin_key")
     serving = await http.get("/v1/models", headers=odd)
     assert (serving.status_code, serving.json()["error"]["code"]) == (401, "invalid_api_key")
+
+
+async def test_metrics_with_every_tenants_usage_are_not_for_tenants(stack: FakeStack) -> None:
+    """``/metrics`` carries each tenant's tokens, spend and budget: a client off the gateway's
+    host reads it with the admin key only; a tenant key is refused as on the admin API."""
+    tenant = await _tenant(stack, "metrics-reader")
+    away = {"x-forwarded-for": "203.0.113.50"}  # a client on another host, via the proxy
+    transport = httpx.AsyncHTTPTransport(local_address=PROXY)
+    async with httpx.AsyncClient(base_url=stack.base_url, transport=transport) as proxied:
+        await _chat(proxied, tenant, "count me")
+        refused = {
+            "no key": await proxied.get("/metrics", headers=away),
+            "tenant key": await proxied.get("/metrics", headers={**away, **tenant.headers}),
+        }
+        admin = {**away, "Authorization": f"Bearer {ADMIN_KEY}"}
+        allowed = await proxied.get("/metrics", headers=admin)
+    assert {name: r.status_code for name, r in refused.items()} == {
+        "no key": 401,
+        "tenant key": 403,
+    }
+    assert all(tenant.name not in r.text for r in refused.values())
+    assert refused["no key"].json()["error"]["code"] == "invalid_admin_key"
+    assert "TANDEM_METRICS_PUBLIC" in refused["no key"].json()["error"]["message"]
+    assert allowed.status_code == 200 and tenant.name in allowed.text
+    # On the gateway's own host (the scrapers of tests/e2e and bench/), no key is needed.
+    async with httpx.AsyncClient(base_url=stack.base_url) as local:
+        assert tenant.name in (await local.get("/metrics")).text
