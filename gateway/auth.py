@@ -24,8 +24,9 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from admission.plans import Plan
 from admission.quota import StoreUnavailable
@@ -41,6 +42,8 @@ from gateway.auth_throttle import AuthThrottleConfig, FailedAuthThrottle
 from gateway.client_address import current_client, is_local
 
 log = logging.getLogger("tandem.auth")
+
+T = TypeVar("T")
 
 ANONYMOUS = Tenant(
     tenant_id="anonymous", name="anonymous", plan=Plan(), created_at=0.0, updated_at=0.0
@@ -122,12 +125,7 @@ class Authenticator:
             if found is None or found[0].is_revoked:
                 return Caller(ANONYMOUS, None)
             return self._accept(*found)
-        self.refuse_if_throttled(token)
-        try:
-            return await self._tenant_caller(token)
-        except AuthenticationError:
-            self.count_failure()
-            raise
+        return await self.guarded(token, lambda: self._tenant_caller(token))
 
     async def _tenant_caller(self, token: str | None) -> Caller:
         if token is None:
@@ -148,14 +146,46 @@ class Authenticator:
             )
         return self._accept(*found)
 
-    def refuse_if_throttled(self, token: str | None) -> None:
-        """429 for this request's client while it is throttled, unless ``token`` is a key
-        this gateway holds as valid: nothing is looked up for it."""
-        wait_s = self._throttle.retry_after_s(current_client())
-        if wait_s is None or (token is not None and self._holds_valid(token)):
-            return
+    async def guarded(self, token: str | None, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt`` (which authenticates ``token``, raising ``AuthenticationError`` when
+        that fails) under this request's client's failed-authentication allowance: 429 while
+        the client is throttled, unless ``token`` is a key this gateway holds as valid.
+
+        An attempt that will start a key lookup reserves a failure before it, given back
+        unless the attempt fails: otherwise a burst of concurrent guesses would all be looked
+        up before the first failure counted. Attempts that look nothing up (a cached answer,
+        a lookup of the same key already under way, no key) count when they fail."""
+        client = current_client()
+        digest = None if token is None else hash_key(token)
+        if digest is None or not self._holds_valid(digest):
+            wait_s = self._throttle.retry_after_s(client)
+            if wait_s is not None:
+                raise self._throttled(wait_s)
+        reserved = digest is not None and self._starts_lookup(digest)
+        throttled_by = self._throttle.record_failure(client) if reserved else None
+        try:
+            result = await attempt()
+        except AuthenticationError:
+            if not reserved:
+                throttled_by = self._throttle.record_failure(client)
+            if throttled_by is not None:
+                log.warning(
+                    "client %s throttled after %d failed authentications: its unverified keys "
+                    "are refused for %.1f s (TANDEM_AUTH_FAILURE_LIMIT)",
+                    client, self._throttle_config.max_failures, throttled_by,
+                )  # fmt: skip
+            raise
+        except BaseException:
+            if reserved:
+                self._throttle.refund(client)
+            raise
+        if reserved:
+            self._throttle.refund(client)
+        return result
+
+    def _throttled(self, wait_s: float) -> RateLimitError:
         config = self._throttle_config
-        raise RateLimitError(
+        return RateLimitError(
             f"Too many failed authentications from your address ({config.max_failures} "
             f"within {config.window_s:g} s). Retry in {math.ceil(wait_s)} s with a valid key; "
             "until then only keys this gateway has already verified are accepted from it.",
@@ -163,20 +193,18 @@ class Authenticator:
             retry_after_s=wait_s,
         )
 
-    def count_failure(self) -> None:
-        """This request's client failed to authenticate (logged once when that throttles it)."""
-        client = current_client()
-        wait_s = self._throttle.record_failure(client)
-        if wait_s is not None:
-            log.warning(
-                "client %s throttled after %d failed authentications: its unverified keys are "
-                "refused for %.1f s (TANDEM_AUTH_FAILURE_LIMIT)",
-                client, self._throttle_config.max_failures, wait_s,
-            )  # fmt: skip
-
-    def _holds_valid(self, token: str) -> bool:
-        cached = self._cache.get(hash_key(token))
+    def _holds_valid(self, digest: str) -> bool:
+        cached = self._cache.get(digest)
         return cached is not None and cached.found is not None and not cached.found[0].is_revoked
+
+    def _starts_lookup(self, digest: str) -> bool:
+        """Whether ``_lookup`` of ``digest`` now waits for a fetch this request starts."""
+        cached = self._cache.get(digest)
+        if cached is not None and self._clock() - cached.fetched_at < (
+            self._cache_ttl_s + self._refresh_ahead_s
+        ):
+            return False
+        return digest not in self._fetching
 
     async def is_tenant_key(self, token: str) -> bool:
         """Whether ``token`` is a tenant's key (to tell 403 from 401 on the admin API)."""
@@ -306,14 +334,16 @@ class AdminAuth:
         # and header bytes past ASCII arrive as such (latin-1).
         if token is not None and secrets.compare_digest(token.encode(), self._admin_key.encode()):
             return "admin-" + hashlib.sha256(token.encode()).hexdigest()[:8]
-        self._authenticator.refuse_if_throttled(token)
-        if token is not None and await self._authenticator.is_tenant_key(token):
-            raise PermissionDeniedError(
-                "Tenant API keys cannot use the admin API; use the admin key "
-                "(TANDEM_ADMIN_KEY, or the file named in the gateway's startup log)."
-            )
-        self._authenticator.count_failure()
-        raise AuthenticationError(needs, code="invalid_admin_key")
+
+        async def refuse() -> str:
+            if token is not None and await self._authenticator.is_tenant_key(token):
+                raise PermissionDeniedError(
+                    "Tenant API keys cannot use the admin API; use the admin key "
+                    "(TANDEM_ADMIN_KEY, or the file named in the gateway's startup log)."
+                )
+            raise AuthenticationError(needs, code="invalid_admin_key")
+
+        return await self._authenticator.guarded(token, refuse)
 
 
 def _redact(token: str) -> str:

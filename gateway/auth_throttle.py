@@ -6,7 +6,9 @@ failed authentications and refills one every ``window_s / max_failures``: a clie
 ``max_failures`` times in a burst, then once per refill. A client with an empty bucket is
 *throttled*: the authenticator answers it 429 without looking its key up, unless the key is
 one it already holds as valid (``gateway/auth.py``). A refused attempt is not a failure: it
-neither empties the bucket further nor extends the wait.
+neither empties the bucket further nor extends the wait. Before each key lookup it starts, the
+authenticator records a failure and ``refund``s it unless the attempt fails, so a burst of
+concurrent guesses cannot all be looked up before the first of them fails.
 
 The bucket is kept in its GCRA form (the generic cell rate algorithm): one number per client,
 the time at which its bucket would be full again; the client is throttled while that time is
@@ -86,17 +88,36 @@ class FailedAuthThrottle:
         return wait_s if wait_s > 0 else None
 
     def record_failure(self, client: str | None) -> float | None:
-        """Count one failed authentication of ``client``; the wait it now faces (None: it may
-        still try at once)."""
+        """Count one failed authentication of ``client``; the wait it now faces if this
+        failure is the one that throttled it (for one log line per episode), else None."""
         if client is None or self._config.max_failures == 0:
             return None
+        was_throttled = self.retry_after_s(client) is not None
+        self._add_failure(client)
+        return None if was_throttled else self.retry_after_s(client)
+
+    def _add_failure(self, client: str) -> None:
         key = client_key(client)
         now = self._clock()
         full_at = max(self._full_at.pop(key, now), now) + self._refill_s
         self._full_at[key] = full_at  # moved to the end: the newest failure
         while len(self._full_at) > self._config.max_clients:
             self._full_at.popitem(last=False)
-        return self.retry_after_s(client)
+
+    def refund(self, client: str | None) -> None:
+        """Give back one failure recorded for ``client`` (a reservation whose attempt did not
+        fail); nothing if its state was forgotten meanwhile."""
+        if client is None:
+            return
+        key = client_key(client)
+        full_at = self._full_at.get(key)
+        if full_at is None:
+            return
+        full_at -= self._refill_s
+        if full_at <= self._clock():
+            del self._full_at[key]
+        else:
+            self._full_at[key] = full_at
 
 
 @functools.lru_cache(maxsize=4096)  # bounded; spares a parse per request from busy clients

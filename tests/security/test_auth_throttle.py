@@ -62,6 +62,19 @@ def test_the_bucket_refills_one_attempt_per_window_over_limit() -> None:
         assert throttle.record_failure("198.51.100.7") is None
 
 
+def test_a_refund_gives_back_one_failure() -> None:
+    throttle, clock = _throttle(max_failures=2, window_s=10.0)
+    throttle.record_failure("198.51.100.7")
+    assert throttle.record_failure("198.51.100.7") is not None  # a reservation empties it...
+    throttle.refund("198.51.100.7")  # ...and its attempt succeeded
+    assert throttle.retry_after_s("198.51.100.7") is None
+    throttle.refund("198.51.100.7")
+    assert throttle.num_clients == 0, "nothing left to remember"
+    throttle.refund("198.51.100.7")  # forgotten meanwhile: nothing to give back
+    clock.now += 1.0
+    assert throttle.record_failure("198.51.100.7") is None
+
+
 def test_memory_is_bounded_under_failures_from_many_addresses() -> None:
     throttle, clock = _throttle(max_failures=2, window_s=60.0, max_clients=100)
     for _ in range(2):

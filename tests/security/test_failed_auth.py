@@ -207,3 +207,24 @@ async def test_forwarded_for_names_the_client_only_behind_a_trusted_proxy(
             forged = {"x-forwarded-for": f"198.51.100.{i}"}
             assert (await chat(direct, guess(), **forged)).status_code == 401
         throttled_error(await chat(direct, guess(), **{"x-forwarded-for": "198.51.100.99"}))
+
+
+async def test_concurrent_guesses_cannot_outrun_the_limit(
+    stack: FakeStack, redis_server: RedisServer
+) -> None:
+    """Each lookup an attempt starts reserves a failure first: of a burst of guesses sent at
+    once, the limit's worth are looked up, none more. A burst of one new valid key shares one
+    lookup and reserves once, so it is never throttled."""
+    guesses = [guess() for _ in range(30)]
+    fresh = await stack.new_tenant("burst")
+    async with (
+        Lookups(redis_server.url).watching() as lookups,
+        client_at(stack, "127.0.0.6") as guesser,
+        client_at(stack, "127.0.0.7") as bursty,
+    ):
+        answers = await asyncio.gather(*(chat(guesser, wrong) for wrong in guesses))
+        burst = await asyncio.gather(*(chat(bursty, fresh) for _ in range(20)))
+    statuses = sorted(response.status_code for response in answers)
+    assert statuses == [401] * LIMIT + [429] * (len(guesses) - LIMIT), statuses
+    assert sum(lookups.of(wrong) > 0 for wrong in guesses) == LIMIT
+    assert [response.status_code for response in burst] == [200] * 20
