@@ -12,8 +12,7 @@ concurrent guesses cannot all be looked up before the first of them fails.
 
 The bucket is kept in its GCRA form (the generic cell rate algorithm): one number per client,
 the time at which its bucket would be full again; the client is throttled while that time is
-more than a window minus one refill ahead. Clients whose bucket refilled carry no information
-and are the first forgotten.
+more than a window minus one refill ahead.
 
 Bounded: at most ``max_clients`` clients are tracked; past it the one whose last failure is
 oldest is forgotten (its bucket has most likely refilled). An attacker with many addresses

@@ -1,6 +1,7 @@
 """Who is on the other end of a request: the peer's address, or the client a trusted proxy
-forwarded (``X-Forwarded-For``), for the failed-authentication throttle
-(``gateway/auth_throttle.py``).
+forwarded (``X-Forwarded-For``). The failed-authentication throttle counts by it
+(``gateway/auth_throttle.py``), and ``/metrics`` answers a local one without a key
+(``gateway/auth.py``).
 
 ``X-Forwarded-For`` is believed only from the proxies an operator names
 (``TANDEM_TRUSTED_PROXIES``: addresses or networks): any client can write the header, so
