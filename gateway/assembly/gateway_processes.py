@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -201,9 +201,12 @@ class GatewayProcesses:
         handoffs: Sequence[Handoff],
         sockets: Sequence[tuple[socket.socket, socket.socket]],
         log_level: str,
+        on_relaunch: Callable[[GatewayProcesses], None] | None = None,
     ) -> None:
-        """``sockets``: each process's (shared, own) pair, closed by ``aclose``."""
+        """``sockets``: each process's (shared, own) pair, closed by ``aclose``;
+        ``on_relaunch`` runs after a process was restarted (its pid changed)."""
         self._log_level = log_level
+        self._on_relaunch = on_relaunch
         self._secondaries = [
             _Secondary(h.index, h.to_json(), shared, own)
             for h, (shared, own) in zip(handoffs, sockets, strict=True)
@@ -270,6 +273,8 @@ class GatewayProcesses:
             if self._stopping:
                 return
             await self._launch(secondary)
+            if self._on_relaunch is not None:
+                self._on_relaunch(self)
 
     def signal_stop(self) -> None:
         """SIGTERM every process (each stops accepting and drains its streams); no restarts

@@ -257,6 +257,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
             adopt_orphan_spools(settings.state_dir, stack.num_processes)
             app = ProcessHeader(app, 0)
             sockets = [_shared_socket(settings), own_socket(settings, 0)]
+            primary_own = sockets[1]
             processes = GatewayProcesses(
                 handoffs(stack, settings),
                 [
@@ -264,6 +265,11 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                     for i in range(1, stack.num_processes)
                 ],
                 log_level,
+                # A restarted process has a new pid: the published list follows it.
+                on_relaunch=lambda relaunched: write_process_list(
+                    settings.state_dir / "gateway-processes.json",
+                    _process_list(relaunched, primary_own),
+                ),
             )
         server = Server(
             uvicorn.Config(
@@ -371,6 +377,19 @@ async def _shared_stores(
     return settings, redis
 
 
+def _process_list(
+    processes: GatewayProcesses, own: socket.socket
+) -> list[tuple[int, int | None, str]]:
+    """Each gateway process's (index, pid, own address), this one first."""
+    entries: list[tuple[int, int | None, str]] = [
+        (0, os.getpid(), f"http://127.0.0.1:{own.getsockname()[1]}")
+    ]
+    return entries + [
+        (i, pid, url)
+        for i, (pid, url) in enumerate(zip(processes.pids, processes.urls, strict=True), 1)
+    ]
+
+
 def _shared_socket(settings: TandemSettings) -> socket.socket:
     return listening_socket(settings.host, settings.port, reuse_port=True)
 
@@ -388,14 +407,8 @@ async def _start_processes(
         console.print(f"[red]cannot start:[/] {exc}")
         server.should_exit = True
         return False
-    entries: list[tuple[int, int | None, str]] = [
-        (0, os.getpid(), f"http://127.0.0.1:{own.getsockname()[1]}")
-    ]
-    entries += [
-        (i, pid, url)
-        for i, (pid, url) in enumerate(zip(processes.pids, processes.urls, strict=True), 1)
-    ]
     path = settings.state_dir / "gateway-processes.json"
+    entries = _process_list(processes, own)
     write_process_list(path, entries)
     console.print(
         f"{len(entries)} gateway processes on {settings.host}:{settings.port}; each alone "

@@ -4,6 +4,7 @@ that stopping the stack leaves no process behind (the other gateway processes, t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -146,6 +147,10 @@ def test_two_processes_share_the_port_restart_and_leave_nothing_behind(work_dir:
                 pid for pid in _children(up.popen.pid) if "gateway_process" in _cmdline(pid)
             )
             assert restarted != secondary
+            # The published list names the process that runs now (a fault injector or an
+            # operator signals by it).
+            listed = json.loads((state_dir / "gateway-processes.json").read_text())["processes"]
+            assert {int(p["index"]): p["pid"] for p in listed}[1] == restarted
 
             up.popen.send_signal(signal.SIGTERM)
             assert up.popen.wait(STOP_GRACE_S * 3) == 0, up.log_tail()
