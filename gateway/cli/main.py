@@ -36,6 +36,7 @@ from rich.status import Status
 from gateway.assembly.config_file import ConfigFileError, load_stack_file
 from gateway.assembly.gateway_processes import (
     STOP_TIMEOUT_S,
+    Cover,
     GatewayProcessError,
     GatewayProcesses,
     ProcessHeader,
@@ -270,6 +271,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                     settings.state_dir / "gateway-processes.json",
                     _process_list(relaunched, primary_own),
                 ),
+                cover=_cover_by(lambda: server),
             )
         server = Server(
             uvicorn.Config(
@@ -388,6 +390,18 @@ def _process_list(
         (i, pid, url)
         for i, (pid, url) in enumerate(zip(processes.pids, processes.urls, strict=True), 1)
     ]
+
+
+def _cover_by(server: Callable[[], Server | None]) -> Cover:
+    """A dead gateway process's socket served by this process's server (``server()``, which
+    runs by the time any process can die: they start once it serves)."""
+
+    async def cover(sock: socket.socket) -> asyncio.Server:
+        serving = server()
+        assert serving is not None
+        return await serving.cover(sock)
+
+    return cover
 
 
 def _shared_socket(settings: TandemSettings) -> socket.socket:

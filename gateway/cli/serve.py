@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -35,7 +36,22 @@ _GC_YOUNG_THRESHOLD = 7_000  # CPython's default is 700
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers."""
+    """uvicorn's server without its signal handlers, able to cover another socket."""
+
+    async def cover(self, sock: socket.socket) -> asyncio.Server:
+        """Accept on ``sock`` too, with this server's app, state and protocol (a dead gateway
+        process's share of the port, until its restart answers). Serves a duplicate of
+        ``sock``: closing the returned server stops accepting and leaves ``sock`` open; the
+        connections it accepted are this server's, drained by its shutdown like the others."""
+        config, state = self.config, self.server_state
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        loop = asyncio.get_running_loop()
+        return await loop.create_server(create_protocol, sock=sock.dup(), backlog=config.backlog)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
