@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.limits import check_json_depth
+
 PositiveInt = Annotated[int, Field(ge=1)]
 StopField = str | Annotated[list[str], Field(max_length=4)] | None
 
@@ -39,6 +41,13 @@ class _SamplingFields(_Lenient):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop: StopField = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_too_deep(cls, data: Any) -> Any:
+        # Before the fields: the body is forwarded as sent, and its encoder has a depth limit.
+        check_json_depth(data)
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
