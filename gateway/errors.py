@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import orjson
 from fastapi import FastAPI, Request
@@ -16,10 +17,13 @@ from core.errors import InvalidRequestError, TandemError
 
 log = logging.getLogger("tandem.gateway")
 
-_HTTP_STATUS_TYPES = {
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-}
+_HTTP_STATUS_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+# Where FastAPI found a bad value; OpenAI's ``param`` is the field alone.
+_LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
+# Pydantic puts the union branch it tried into an error's location ("str", "list[str]",
+# "constrained-str", a model's class name, "[key]"); a field name or JSON key is none of these.
+_UNION_BRANCH = re.compile(r"[^a-z0-9_]|^(?:str|int|float|bool|bytes|none)$")
 
 
 def error_response(exc: TandemError) -> Response:
@@ -33,10 +37,21 @@ def error_response(exc: TandemError) -> Response:
 
 
 def invalid_request_from_validation(exc: ValidationError | RequestValidationError) -> TandemError:
-    """A 400 naming the first offending field, as OpenAI does (``param`` is its dotted path)."""
+    """A 400 naming the first offending field, as OpenAI does (``param`` is its dotted path,
+    without FastAPI's ``body``/``query``/``path`` prefix)."""
     first = exc.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":  # FastAPI's body parse; its "loc" is an offset
+        return InvalidRequestError(
+            "We could not parse the JSON body of your request: send a JSON object with "
+            "Content-Type: application/json."
+        )
+    location = list(first.get("loc", ()))
+    if location and location[0] in _LOCATIONS:
+        location = location[1:]
+    fields = [
+        str(part) for part in location if isinstance(part, int) or not _UNION_BRANCH.search(part)
+    ]
+    param = ".".join(fields) or None
     message = str(first.get("msg", "invalid value"))
     where = f"'{param}'" if param else "the request body"
     return InvalidRequestError(f"Invalid value for {where}: {message}", param=param)
@@ -55,15 +70,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        error_type, code = _HTTP_STATUS_TYPES.get(exc.status_code, ("api_error", None))
+        kind = InvalidRequestError if exc.status_code < 500 else TandemError
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             # Starlette's Allow names the first route on the path only; HTTP wants them all.
             headers["Allow"] = ", ".join(_allowed_methods(request))
-        error = TandemError(
-            f"{request.method} {request.url.path}: {exc.detail}", code=code, extra_headers=headers
+        error = kind(
+            f"{request.method} {request.url.path}: {exc.detail}",
+            code=_HTTP_STATUS_CODES.get(exc.status_code),
+            extra_headers=headers,
         )
-        error.status_code, error.error_type = exc.status_code, error_type
+        error.status_code = exc.status_code
         return error_response(error)
 
     async def on_unexpected_error(request: Request, exc: Exception) -> Response:
