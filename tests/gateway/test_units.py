@@ -37,7 +37,10 @@ def _param_of(schema: type[ChatCompletionRequest | CompletionRequest], body: dic
         ({"model": "m", "messages": MESSAGES, "temperature": 3}, "temperature"),
         ({"model": "m", "messages": MESSAGES, "n": 0}, "n"),
         ({"model": "m", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": "m", "messages": MESSAGES, "stream_options": {"include_usage": True}}, None),
+        (
+            {"model": "m", "messages": MESSAGES, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
     ],
 )
 def test_chat_validation_names_the_field(body: dict, param: str | None) -> None:
