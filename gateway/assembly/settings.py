@@ -158,6 +158,19 @@ class TandemSettings(BaseSettings):
     (queue, prefill and decode); past it the request ends with 504 ``deadline_exceeded``."""
     max_request_timeout_s: float = Field(3600.0, gt=0)
     """The longest deadline a client may ask for with ``x-tandem-timeout-ms``."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body (4 MiB: a 128k-token prompt is about 0.5 MiB of text); a larger one
+    is 413 ``body_too_large``, refused on its ``Content-Length`` before it is read."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Longest time a request's body may take to arrive after its headers; past it 408
+    ``request_timeout``. The body is read whole before any route runs, so a client sending it
+    byte by byte holds no admission slot meanwhile (``gateway/limits.py``)."""
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    """Largest request line plus headers; past it 431 ``headers_too_large``, counted as they
+    arrive (``gateway/cli/http_protocol.py``)."""
+    header_timeout_s: float = Field(30.0, gt=0)
+    """Longest time from a connection opening, or the first byte of its next request, to the
+    end of a request's headers; past it 408 ``request_timeout`` and the connection is closed."""
     health_interval_s: float = Field(1.0, gt=0)
     """How often each worker's ``/health`` is polled."""
 

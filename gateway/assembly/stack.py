@@ -34,6 +34,7 @@ from gateway.assembly.stores import StoreConfig
 from gateway.assembly.supervisor import LocalVersionBuilder, Supervisor, connector_config
 from gateway.auth_throttle import AuthThrottleConfig
 from gateway.catalog import DeploymentSpec
+from gateway.limits import RequestLimits
 from gateway.local_actuator import WorkerBudget, host_memory_gib
 from gateway.planning import PlannerConfig
 from gateway.serving.content_policy import ModerationSetup
@@ -230,6 +231,7 @@ class Stack:
             planner=self.planner,
             tracing=self.tracing,
             otlp_metrics=OtlpMetricsConfig.from_env(),
+            limits=request_limits(settings),
         )
         alone = self.num_processes == 1
         return create_app(
@@ -239,6 +241,16 @@ class Stack:
             self.supervisor if alone else None,
             launcher=self.supervisor if alone else None,
         )
+
+
+def request_limits(settings: TandemSettings) -> RequestLimits:
+    """What one request may send: the app's body limits and the HTTP server's head limits."""
+    return RequestLimits(
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+        header_timeout_s=settings.header_timeout_s,
+    )
 
 
 def planner_config(settings: TandemSettings) -> PlannerConfig:

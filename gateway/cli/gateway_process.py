@@ -20,8 +20,9 @@ import uvicorn
 
 from gateway.assembly.gateway_processes import Handoff, ProcessHeader
 from gateway.assembly.settings import TandemSettings
-from gateway.assembly.stack import Stack
+from gateway.assembly.stack import Stack, request_limits
 from gateway.catalog import DeploymentSpec
+from gateway.cli.http_protocol import limited_httptools
 from gateway.cli.serve import Server, run_event_loop, tune_garbage_collector
 from gateway.planning import PlannerConfig
 from versions.records import ModelVersion
@@ -68,7 +69,7 @@ async def _serve(handoff: Handoff, sockets: list[socket.socket], log_level: str)
         uvicorn.Config(
             ProcessHeader(stack.app(), handoff.index),
             log_level=log_level,
-            http="httptools",
+            http=limited_httptools(request_limits(settings)),
             lifespan="on",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
             access_log=settings.access_log,

@@ -49,7 +49,7 @@ from gateway.assembly.gateway_processes import (
 )
 from gateway.assembly.redis_server import OwnedRedis, RedisServerError
 from gateway.assembly.settings import TandemSettings
-from gateway.assembly.stack import Stack, planner_config
+from gateway.assembly.stack import Stack, planner_config, request_limits
 from gateway.assembly.supervisor import fingerprint, port_is_free
 from gateway.cli.admin import (
     add_admin_parser,
@@ -58,6 +58,7 @@ from gateway.cli.admin import (
     run_admin,
 )
 from gateway.cli.billing import add_billing_parser, run_billing
+from gateway.cli.http_protocol import limited_httptools
 from gateway.cli.models import (
     add_model_commands,
     add_traffic_parsers,
@@ -279,7 +280,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 host=settings.host,
                 port=settings.port,
                 log_level=log_level,
-                http="httptools",
+                http=limited_httptools(request_limits(settings)),
                 lifespan="on",
                 timeout_graceful_shutdown=settings.shutdown_grace_s,
                 access_log=settings.access_log,

@@ -1,0 +1,149 @@
+"""The gateway's HTTP/1.1 protocol: uvicorn's httptools one, with limits on a request's head.
+
+httptools accepts a request line and headers of any size (measured: 4 MB of one header was
+read and handed on) and uvicorn gives a request no time limit until its headers are complete,
+so one client could grow a connection's buffer without end, or hold a connection open by
+sending a header a byte a minute. This protocol refuses, in OpenAI's error shape, and closes
+the connection:
+
+- a head larger than ``RequestLimits.max_header_bytes``: 431 ``headers_too_large``, counted as
+  the bytes arrive (a header that never ends is refused once the limit is passed, not when it
+  ends);
+- a head not complete ``RequestLimits.header_timeout_s`` after the connection opened, or after
+  the first byte of a later request on it: 408 ``request_timeout``.
+
+A request the parser cannot read at all is uvicorn's 400, in the same error shape. The body's
+limits are the app's (``gateway/limits.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from core.errors import HeadersTooLargeError, InvalidRequestError, RequestTimeoutError, TandemError
+from gateway.limits import RequestLimits
+
+log = logging.getLogger("tandem.gateway")
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """httptools' protocol with ``limits`` on the request head (one subclass per limits:
+    ``limited_httptools``)."""
+
+    limits: ClassVar[RequestLimits] = RequestLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading_head = True
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head_timer()  # a connection that never sends a request is closed too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the refusal is written and the connection closing: the rest is not read
+        if self._reading_head:
+            if self._head_timer is None:
+                self._start_head_timer()  # the next request on a kept-alive connection
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if (
+            not self._refused
+            and self._reading_head
+            and self._head_bytes > self.limits.max_header_bytes
+        ):
+            self._refuse(_headers_too_large(self.limits.max_header_bytes))
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        # The whole head may have come in one read, past the limit: measure what was parsed.
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._refuse(_headers_too_large(self.limits.max_header_bytes))
+            return
+        self._reading_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._reading_head = True  # what comes next on this connection is another request
+        self._head_bytes = 0
+
+    def send_400_response(self, msg: str) -> None:
+        # httptools could not parse the request (uvicorn logged it): its 400, in OpenAI's shape.
+        self._refuse(InvalidRequestError(f"{msg} Send a valid HTTP/1.1 request."), quiet=True)
+
+    def _start_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_too_slow)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._reading_head and not self._refused:
+            self._refuse(
+                RequestTimeoutError(
+                    "The request line and headers did not arrive within "
+                    f"{self.limits.header_timeout_s:g} s (TANDEM_HEADER_TIMEOUT_S)."
+                )
+            )
+
+    def _refuse(self, error: TandemError, *, quiet: bool = False) -> None:
+        """Answer ``error`` and close the connection; nothing more is read from it."""
+        self._refused = True
+        self._stop_head_timer()
+        if not quiet:
+            log.warning("refused a request from %s: %s", _address(self.client), error.message)
+        if self.transport.is_closing():
+            return
+        body = orjson.dumps(error.to_body())
+        head = [STATUS_LINE[error.status_code]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def limited_httptools(limits: RequestLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class uvicorn's ``Config(http=...)`` takes, enforcing ``limits``."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+
+
+def _headers_too_large(limit: int) -> HeadersTooLargeError:
+    return HeadersTooLargeError(
+        f"The request line and headers are larger than the {limit} bytes this gateway accepts "
+        "(TANDEM_MAX_HEADER_BYTES)."
+    )
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown address"
