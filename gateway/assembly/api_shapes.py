@@ -156,6 +156,45 @@ class CompletionShape(_Open):
     usage: Usage
 
 
+class ChatDelta(_Open):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Open):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+
+
+class ChatCompletionChunkShape(_Open):
+    """One event of a chat stream (the last one, with ``include_usage``, has no choices)."""
+
+    id: str = Field(pattern=r"^chatcmpl-")
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunkChoice(_Open):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class CompletionChunkShape(_Open):
+    """One event of a completions stream."""
+
+    id: str = Field(pattern=r"^cmpl-")
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
 class TextPart(_Open):
     type: Literal["text"]
     text: str

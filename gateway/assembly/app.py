@@ -236,7 +236,7 @@ def create_app(
 
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, deployments.aliases)
     app.add_middleware(ClientAddress, trusted_proxies=config.access.auth_throttle.trusted_proxies)
     app.include_router(openai_router)
     app.include_router(admin_router)

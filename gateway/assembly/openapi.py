@@ -12,12 +12,14 @@ can hold every answer to it:
 - the answers of the OpenAI routes (JSON, or an SSE stream) and of the tenants' API
   (``gateway/assembly/api_shapes.py``);
 - links that walk a tenant's life: create it, issue a key, use the key, revoke it, read the
-  usage (OpenAPI links; the stateful fuzz run follows them).
+  usage (OpenAPI links; the stateful fuzz run follows them);
+- the models served when the document was first asked for, as ``model``'s examples and the
+  model a link's request uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -71,8 +73,11 @@ _OWN_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/completions"): CompletionRequest,
     ("post", "/v1/moderations"): shapes.ModerationRequest,
 }
-_STREAMED = frozenset({"/v1/chat/completions", "/v1/completions"})
-"""Their 200 is JSON, or with ``stream: true`` an SSE stream (docs/WIRE.md)."""
+_STREAMED: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": shapes.ChatCompletionChunkShape,
+    "/v1/completions": shapes.CompletionChunkShape,
+}
+"""Their 200 is JSON, or with ``stream: true`` an SSE stream of these chunks (docs/WIRE.md)."""
 
 _ANSWERS: dict[tuple[str, str], tuple[str, type[BaseModel]]] = {
     ("post", "/v1/chat/completions"): ("200", shapes.ChatCompletionShape),
@@ -118,10 +123,10 @@ _TENANT = "/admin/v1/tenants/{tenant}"
 _LINKS: dict[tuple[str, str], dict[str, tuple[tuple[str, str], dict[str, str]]]] = {
     # A tenant's life: create -> issue a key -> use it -> revoke it -> its usage.
     ("post", "/admin/v1/tenants"): {
-        "IssueKey": (("post", f"{_TENANT}/keys"), {"path.tenant": "$response.body#/name"}),
+        "IssueKey": (("post", f"{_TENANT}/keys"), {"path.tenant": "$response.body#/tenant_id"}),
         "GetTenant": (("get", _TENANT), {"path.tenant": "$response.body#/tenant_id"}),
-        "UpdateTenant": (("patch", _TENANT), {"path.tenant": "$response.body#/name"}),
-        "TenantUsage": (("get", f"{_TENANT}/usage"), {"path.tenant": "$response.body#/name"}),
+        "UpdateTenant": (("patch", _TENANT), {"path.tenant": "$response.body#/tenant_id"}),
+        "TenantUsage": (("get", f"{_TENANT}/usage"), {"path.tenant": "$response.body#/tenant_id"}),
         "DeleteTenant": (("delete", _TENANT), {"path.tenant": "$response.body#/tenant_id"}),
     },
     ("post", f"{_TENANT}/keys"): {
@@ -156,19 +161,21 @@ _LINKS: dict[tuple[str, str], dict[str, tuple[tuple[str, str], dict[str, str]]]]
 }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve ``openapi_document`` as the app's ``/openapi.json`` (built once, on first use)."""
+def install_openapi(app: FastAPI, served: Callable[[], list[str]]) -> None:
+    """Serve ``openapi_document`` as the app's ``/openapi.json`` (built once, on first use, with
+    the aliases ``served`` names then)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app)
+            app.openapi_schema = openapi_document(app, served())
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
 
 
-def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document of ``app``, completed as the module docstring says."""
+def openapi_document(app: FastAPI, served: list[str]) -> dict[str, Any]:
+    """FastAPI's document of ``app`` serving the aliases ``served``, completed as the module
+    docstring says."""
     document = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
@@ -191,11 +198,16 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": _schema_ref(schemas, body)}},
             }
+            model = schemas[body.__name__].get("properties", {}).get("model")
+            if model is not None and served:
+                model["examples"] = served
         if (answer := _ANSWERS.get(key)) is not None:
             status, shape = answer
             content = {"application/json": {"schema": _schema_ref(schemas, shape)}}
-            if path in _STREAMED:
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+            if (chunk := _STREAMED.get(path)) is not None:
+                content["text/event-stream"] = {
+                    "schema": _stream_event(_schema_ref(schemas, chunk), error)
+                }
             responses[status] = {"description": shape.__doc__ or "Success.", "content": content}
         if (media := _MEDIA.get(key)) is not None:
             success = next(code for code in responses if code.startswith("2"))
@@ -217,7 +229,7 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
                     "content": {"application/json": {"schema": error}},
                 },
             )
-        for status, links in _links_of(key, responses).items():
+        for status, links in _links_of(key, responses, served).items():
             responses[status]["links"] = links
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -254,17 +266,39 @@ def _errors_of(path: str) -> tuple[int, ...]:
 
 
 def _links_of(
-    key: tuple[str, str], responses: dict[str, Any]
+    key: tuple[str, str], responses: dict[str, Any], served: list[str]
 ) -> dict[str, dict[str, dict[str, Any]]]:
     links = _LINKS.get(key)
     if not links:
         return {}
     status = next(code for code in responses if code.startswith("2"))
+    described = {}
+    for name, (target, parameters) in links.items():
+        link: dict[str, Any] = {"operationRef": _operation_ref(*target), "parameters": parameters}
+        if target[1] in _STREAMED and served:
+            link["requestBody"] = {"model": served[0]}  # a model this gateway serves
+        described[name] = link
+    return {status: described}
+
+
+def _stream_event(chunk: dict[str, str], error: dict[str, str]) -> dict[str, Any]:
+    """One event of an OpenAI stream: a chunk, an error (then the stream ends), or the last
+    ``[DONE]``; heartbeats are comments, not events."""
     return {
-        status: {
-            name: {"operationRef": _operation_ref(*target), "parameters": parameters}
-            for name, (target, parameters) in links.items()
-        }
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [chunk, error]},
+                    },
+                ]
+            }
+        },
     }
 
 
