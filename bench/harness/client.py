@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 import aiohttp
@@ -88,7 +88,7 @@ async def send(
                 if response.status != 200:
                     _http_error(record, await response.read())
                     return record
-                await _read_stream(response, record, sent)
+                await read_stream(response.content, record, sent)
     except TimeoutError:
         _fail(record, "timeout", f"no complete answer within {target.timeout_s:g} s")
     except (aiohttp.ClientError, OSError) as exc:
@@ -100,13 +100,16 @@ async def send(
     return record
 
 
-async def _read_stream(
-    response: aiohttp.ClientResponse, record: RequestRecord, sent: float
+async def read_stream(
+    lines: AsyncIterable[bytes], record: RequestRecord, sent: float, *, expect_usage: bool = True
 ) -> None:
+    """Read one SSE response's ``lines`` into ``record``: timings, text, finish reason, usage,
+    and in ``record.malformed`` each way the stream breaks the protocol (the module docstring's
+    list; a missing usage chunk only when ``expect_usage``: the request asked for one)."""
     done = False
     last_chunk: float | None = None
     text: list[str] = []
-    async for raw in response.content:
+    async for raw in lines:
         line = raw.rstrip(b"\r\n")
         if not line or line.startswith(b":"):
             continue  # event boundary, or a comment such as a heartbeat
@@ -169,7 +172,7 @@ async def _read_stream(
         record.malformed.append("no chunk with a choice")
     elif record.finish_reason is None:
         record.malformed.append("no finish_reason")
-    if record.completion_tokens is None:
+    if expect_usage and record.completion_tokens is None:
         record.malformed.append("no usage although include_usage asked for it")
     if record.malformed:
         _fail(record, "malformed", "; ".join(record.malformed[:3]))
