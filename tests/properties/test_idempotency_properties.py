@@ -57,7 +57,7 @@ NO_EXPLAIN = tuple(phase for phase in Phase if phase is not Phase.explain)
 """The explain phase replays a failing history hundreds of times to annotate a printout that
 schemathesis's pytest plugin blanks anyway (it swaps hypothesis's printer for a silent one)."""
 
-SCOPES = tuple(scope_key("acme", "chat", f"key-{n}") for n in range(2))
+SCOPES = tuple(scope_key("acme", "chat", f"key-{n}") for n in range(3))
 BODIES = tuple(
     fingerprint({"model": "m", "messages": [{"role": "user", "content": text}]})
     for text in ("hi", "bye")
@@ -110,23 +110,33 @@ class Advance:
 
 StoreStep = Claim | Complete | Release | Extend | Advance
 
-durations = st.integers(1, 10)
+durations = st.integers(1, 30)
 # Mostly the latest claims (their keys are the live ones), sometimes an old, stale token.
 claim_refs = st.sampled_from((-1, -1, -1, -2, 0, 1, 2))
-store_steps = st.one_of(
-    st.builds(
-        Claim,
-        st.integers(0, len(SCOPES) - 1),
-        st.integers(0, 1),
-        durations,
-        st.sampled_from((1, 1, 2, 5)),
-    ),
-    st.builds(Complete, claim_refs, st.integers(0, len(RESPONSES) - 1), st.integers(1, 20)),
-    st.builds(Release, claim_refs),
-    st.builds(Extend, claim_refs, durations),
-    st.builds(Advance, st.integers(1, 12)),
+claims = st.builds(
+    Claim, st.integers(0, len(SCOPES) - 1), st.integers(0, 1), durations,
+    st.sampled_from((1, 1, 2, 5)),
+)  # fmt: skip
+completes = st.builds(Complete, claim_refs, st.integers(0, len(RESPONSES) - 1), st.integers(1, 20))
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy[StoreStep]]) -> st.SearchStrategy[StoreStep]:
+    """Each strategy drawn in proportion to its weight (``st.one_of`` merges repeated ones)."""
+    pool = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.sampled_from(pool).flatmap(lambda strategy: strategy)
+
+
+store_steps = weighted(  # claims and completions more often: keys live long enough to meet
+    (2, claims),
+    (2, completes),
+    (1, st.builds(Release, claim_refs)),
+    (1, st.builds(Extend, claim_refs, durations)),
+    (1, st.builds(Advance, st.integers(1, 8))),
 )
-store_histories = st.lists(store_steps, min_size=1, max_size=20).map(tuple)
+store_histories = st.lists(store_steps, min_size=8, max_size=30).map(tuple)
+capped_histories = st.lists(  # claims of new keys more often still: they fill the cap
+    weighted((1, claims), (2, store_steps)), min_size=8, max_size=30
+).map(tuple)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -145,15 +155,25 @@ class Record:
 class Model:
     """docs/WIRE.md §3 in a dictionary, on integer seconds."""
 
+    max_entries: int | None = None
+    """The memory store's cap (``MemoryIdempotencyStore(max_entries=...)``); Redis has none."""
     now: int = 0
     records: dict[str, Record] = field(default_factory=dict)
+    """In claim order (the cap evicts the oldest claim when no record is completed)."""
+    completed: list[str] = field(default_factory=list)
+    """Completed scopes, oldest completion first (the cap evicts them first)."""
 
     def live(self, scope: str) -> Record | None:
         record = self.records.get(scope)
         if record is not None and record.expires_at <= self.now:
-            del self.records[scope]
+            self.drop(scope)
             return None
         return record
+
+    def drop(self, scope: str) -> None:
+        del self.records[scope]
+        if scope in self.completed:
+            self.completed.remove(scope)
 
     def owned(self, scope: str, token: str) -> Record | None:
         record = self.live(scope)
@@ -164,6 +184,12 @@ class Model:
         record = self.live(scope)
         if record is None:
             assert token is not None, "the key is free, yet the claim was refused"
+            if self.max_entries is not None:
+                for other in list(self.records):  # what expired goes first
+                    self.live(other)
+                while len(self.records) >= self.max_entries:
+                    event(f"the cap evicted a {'completed' if self.completed else 'running'} key")
+                    self.drop(self.completed[0] if self.completed else next(iter(self.records)))
             self.records[scope] = Record(body, self.now + lease, token)
             return Claimed
         if record.fingerprint != body:
@@ -176,11 +202,12 @@ class Model:
             return False
         record.token, record.response = None, response
         record.expires_at = self.now + retention
+        self.completed.append(scope)
         return True
 
     def release(self, scope: str, token: str) -> None:
         if self.owned(scope, token) is not None:
-            del self.records[scope]
+            self.drop(scope)
 
     def extend(self, scope: str, token: str, lease: int) -> bool:
         record = self.owned(scope, token)
@@ -201,7 +228,7 @@ class StorePlayer:
     advance: Callable[[int], Awaitable[None]]
     """Let that many model seconds pass for the store."""
     retry_after_tolerance_s: float
-    model: Model = field(default_factory=Model)
+    model: Model
     granted: list[tuple[str, str]] = field(default_factory=list)
     """(scope, token) of every claim granted, in order."""
 
@@ -268,16 +295,31 @@ async def play_store(history: tuple[StoreStep, ...], player: StorePlayer) -> Non
         await player.store.aclose()
 
 
-@settings(max_examples=examples(150), phases=NO_EXPLAIN)
-@given(history=store_histories)
-def test_memory_store_follows_the_model(history: tuple[StoreStep, ...]) -> None:
+def play_memory(history: tuple[StoreStep, ...], max_entries: int | None) -> None:
     now = [0.0]
-    store = MemoryIdempotencyStore(clock=lambda: now[0])
+    store = MemoryIdempotencyStore(clock=lambda: now[0], max_entries=max_entries or 100_000)
 
     async def advance(seconds: int) -> None:
         now[0] += seconds
 
-    asyncio.run(play_store(history, StorePlayer(store, 1.0, advance, 0.0)))
+    model = Model(max_entries)
+    asyncio.run(play_store(history, StorePlayer(store, 1.0, advance, 0.0, model)))
+
+
+@settings(max_examples=examples(150), phases=NO_EXPLAIN)
+@given(history=store_histories)
+def test_memory_store_follows_the_model(history: tuple[StoreStep, ...]) -> None:
+    play_memory(history, None)
+
+
+@settings(max_examples=examples(150), phases=NO_EXPLAIN)
+@given(history=capped_histories, max_entries=st.sampled_from((1, 2)))
+def test_memory_store_at_its_cap_follows_the_model(
+    history: tuple[StoreStep, ...], max_entries: int
+) -> None:
+    """At one or two records, each claim of a new key evicts another key's record: the oldest
+    completed one, else the oldest claim (whose owner then loses it)."""
+    play_memory(history, max_entries)
 
 
 REDIS_SECOND_S = 10.0
@@ -305,7 +347,7 @@ def test_redis_store_follows_the_model(history: tuple[StoreStep, ...], redis_url
         store = RedisIdempotencyStore(redis_url, prefix=prefix)
         try:
             # InProgress's retry_after is the PTTL: real milliseconds may have gone by.
-            await play_store(history, StorePlayer(store, REDIS_SECOND_S, advance, 0.5))
+            await play_store(history, StorePlayer(store, REDIS_SECOND_S, advance, 0.5, Model()))
         finally:
             await raw.aclose()
             await delete_keys(redis_url, prefix)

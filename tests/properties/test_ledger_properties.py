@@ -5,8 +5,9 @@ Hypothesis generates histories and plays each against the real ``LedgerWriter`` 
 on disk, batched inserts on its database thread, replay at start) over a fresh ledger database:
 a SQLite file, and a database on the session's real PostgreSQL (fewer examples). The steps:
 
-    Submit     finished requests handed to ``submit()`` (some with a request-log entry); with
-               ``during_flush`` they arrive while a flush is in flight
+    Submit     finished requests handed to ``submit()`` (some with a request-log entry, some
+               idempotent ones run again: the same record id, billed once, for its first run);
+               with ``during_flush`` they arrive while a flush is in flight
     Flush      ``flush()``: with the database up and no acknowledgement to lose it must say True,
                and True means everything submitted before it is in the ledger. With
                ``lose_ack`` the next insert (this flush's, or a later one's) commits and then
@@ -19,8 +20,9 @@ a SQLite file, and a database on the session's real PostgreSQL (fewer examples).
 
 The history may start with the database down, so the first writer starts on a ledger it cannot
 migrate yet. At the end the database is up and one flush must write everything: then each
-submitted record is in the ledger once with the values submitted, each request-log entry once,
-the token and cost totals equal the metered ones, and the spool is empty.
+finished request is in the ledger once with the values metered (an idempotent one's first run),
+each request-log entry once, the token and cost totals equal the metered ones, and the spool is
+empty.
 
 More examples: ``TANDEM_HYPOTHESIS_PROFILE=thorough`` (tests/properties/profiles.py).
 """
@@ -73,6 +75,11 @@ class Metered:
     """Billed under ``idempotent_record_id`` (a request sent with an ``Idempotency-Key``)."""
     logged: bool
     """Its tenant keeps a request log: a ``RequestLogEntry`` travels with it."""
+    rerun: int | None
+    """None: a request of its own. k: the k-th idempotent request metered so far (modulo; -1:
+    the latest) ran again, as when its retry reaches a gateway that lost the stored answer (a
+    restart of the in-memory idempotency store): the same record id, its own request id and
+    usage. Its first run is the one billed."""
 
 
 @dataclass(frozen=True)
@@ -119,18 +126,21 @@ def metered(draw: st.DrawFn) -> Metered:
         cached_tokens=draw(st.integers(0, prompt)),
         idempotent=draw(st.booleans()),
         logged=draw(st.booleans()),
+        rerun=draw(st.sampled_from((None, None, None, None, 0, -1))),
     )
 
 
-submits = st.builds(Submit, st.lists(metered(), min_size=1, max_size=5).map(tuple), st.booleans())
-flushes = st.builds(Flush, st.booleans())
-steps = st.one_of(  # requests and flushes twice as often as the faults between them
-    submits,
-    submits,
-    flushes,
-    flushes,
-    st.builds(Outage, st.booleans()),
-    st.builds(Crash, st.none() | st.integers(1, 3)),
+def weighted(*choices: tuple[int, st.SearchStrategy[Step]]) -> st.SearchStrategy[Step]:
+    """Each strategy drawn in proportion to its weight (``st.one_of`` merges repeated ones)."""
+    pool = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.sampled_from(pool).flatmap(lambda strategy: strategy)
+
+
+steps = weighted(  # requests and flushes twice as often as the faults between them
+    (2, st.builds(Submit, st.lists(metered(), min_size=1, max_size=5).map(tuple), st.booleans())),
+    (2, st.builds(Flush, st.booleans())),
+    (1, st.builds(Outage, st.booleans())),
+    (1, st.builds(Crash, st.none() | st.integers(1, 3))),
 )
 histories = st.builds(
     History,
@@ -170,6 +180,7 @@ class Player:
         self._stores: list[SqlLedgerStore] = [self.auditor]
         self._writers: list[LedgerWriter] = []
         self._inserts = 0
+        self._runs = 0
 
     async def start(self) -> None:
         """A gateway process starts: its own connections, the spool directory it inherits."""
@@ -208,13 +219,18 @@ class Player:
 
     def submit(self, requests: tuple[Metered, ...]) -> None:
         for usage in requests:
-            number = len(self.metered)
+            number, self._runs = self._runs, self._runs + 1
             tenant = TENANTS[usage.tenant]
             record_id = (
                 idempotent_record_id(tenant, "chat", f"key-{number}")
                 if usage.idempotent
                 else f"req-{number:05d}"
             )
+            keyed = [known for known in self.metered if known.startswith("idem-")]
+            if usage.rerun is not None and keyed:
+                record_id = keyed[usage.rerun % len(keyed)]
+                tenant = self.metered[record_id].tenant_id
+                event("an idempotent request ran again")
             record = make_record(
                 record_id=record_id,
                 request_id=f"chatcmpl-{number:05d}",
@@ -231,8 +247,8 @@ class Player:
                     record_id, record.request_id, tenant, record.finished_at_us,
                     record.finished_at_us + HOUR_US, f"prompt {number}", f"output {number}",
                 )  # fmt: skip
-                self.logged[record_id] = entry
-            self.metered[record_id] = record
+                self.logged.setdefault(record_id, entry)
+            self.metered.setdefault(record_id, record)  # its first run is billed
             self.writer.submit(record, entry)
 
     async def flush(self) -> None:
@@ -266,7 +282,7 @@ class Player:
     def _tally(self, writer: LedgerWriter) -> None:
         """What the writers saw (``--hypothesis-show-statistics`` shows how often)."""
         if writer.stats.num_duplicates:
-            event("the ledger ignored records it had (a replay after a commit)")
+            event("the ledger ignored record ids it had (a replay, a re-run)")
 
     async def finish(self) -> None:
         """The database is back for good: one flush writes everything, exactly once."""
