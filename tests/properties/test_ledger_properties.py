@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import Phase, event, given, note, settings
+from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
 from billing.records import UsageRecord, idempotent_record_id
@@ -48,6 +48,7 @@ from billing.store import Cursor, RequestLogEntry, UsageQuery
 from billing.writer import LedgerWriter, WriterConfig
 from tests.billing.records_factory import HOUR_US, T0, make_record
 from tests.billing.test_writer import FlakyStore
+from tests.properties.drawing import NO_EXPLAIN, weighted
 from tests.properties.profiles import examples
 
 if TYPE_CHECKING:
@@ -128,12 +129,6 @@ def metered(draw: st.DrawFn) -> Metered:
         logged=draw(st.booleans()),
         rerun=draw(st.sampled_from((None, None, None, None, 0, -1))),
     )
-
-
-def weighted(*choices: tuple[int, st.SearchStrategy[Step]]) -> st.SearchStrategy[Step]:
-    """Each strategy drawn in proportion to its weight (``st.one_of`` merges repeated ones)."""
-    pool = [strategy for weight, strategy in choices for _ in range(weight)]
-    return st.sampled_from(pool).flatmap(lambda strategy: strategy)
 
 
 steps = weighted(  # requests and flushes twice as often as the faults between them
@@ -356,7 +351,7 @@ def ledger(store: SqlLedgerStore) -> dict[str, UsageRecord]:
 
 
 async def play(history: History, open_store: Callable[[], SqlLedgerStore], spool: Path) -> None:
-    note(repr(history))  # schemathesis's pytest plugin blanks hypothesis's own printout
+    note(repr(history))  # see NO_EXPLAIN
     player = Player(open_store, spool, history.max_batch)
     try:
         player.down = history.starts_down
@@ -369,10 +364,6 @@ async def play(history: History, open_store: Callable[[], SqlLedgerStore], spool
 
 
 # -- the properties, per backend ---------------------------------------------------------------
-
-NO_EXPLAIN = tuple(phase for phase in Phase if phase is not Phase.explain)
-"""The explain phase replays a failing history hundreds of times (minutes against a database)
-to annotate a printout that schemathesis's plugin blanks anyway."""
 
 
 @settings(max_examples=examples(40), phases=NO_EXPLAIN)
