@@ -5,16 +5,17 @@ can hold every answer to it:
 - every error, under each status an operation can answer, as OpenAI's error body (``Error``),
   and no FastAPI ``422 {"detail": ...}``, which the gateway never sends (``gateway/errors.py``
   makes a bad field a 400 naming it);
-- who may call: the admin key on ``/admin/v1``, a tenant's key on ``/v1`` (bearer schemes
-  ``AdminKey`` and ``TenantKey``, instead of a bare ``authorization`` header parameter);
+- who may call: the admin key on ``/admin/v1`` (and ``/metrics`` from another host), a
+  tenant's key on ``/v1`` (bearer schemes ``AdminKey`` and ``TenantKey``, instead of a bare
+  ``authorization`` header parameter);
 - the request bodies of the routes that read their own JSON (``gateway/serving/routes.py``
   parses it once, outside FastAPI, to keep the hot path short);
 - the answers of the OpenAI routes (JSON, or an SSE stream) and of the tenants' API
   (``gateway/assembly/api_shapes.py``);
 - links that walk a tenant's life: create it, issue a key, use the key, revoke it, read the
   usage (OpenAPI links; the stateful fuzz run follows them);
-- the models served when the document was first asked for, as ``model``'s examples and the
-  model a link's request uses.
+- the models served when the document was first asked for: ``model``'s examples, the model
+  of the OpenAI routes' example requests (a streamed one among them) and of a link's request.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ _STREAMED: dict[str, type[BaseModel]] = {
     "/v1/completions": shapes.CompletionChunkShape,
 }
 """Their 200 is JSON, or with ``stream: true`` an SSE stream of these chunks (docs/WIRE.md)."""
+
+_HELLO = [{"role": "user", "content": "Say hello."}]
+_EXAMPLES: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    "/v1/chat/completions": {
+        "streamed": (
+            "A streamed chat with its usage",
+            {"messages": _HELLO, "max_tokens": 8, "stream": True,
+             "stream_options": {"include_usage": True}},
+        ),
+        "answered": ("A chat answered at once", {"messages": _HELLO, "max_tokens": 8}),
+    },
+    "/v1/completions": {
+        "streamed": ("Two streamed completions", {"prompt": "Once upon a time", "max_tokens": 8,
+                                                 "n": 2, "stream": True}),
+        "answered": ("A completion answered at once", {"prompt": "Once upon a time",
+                                                       "max_tokens": 8}),
+    },
+}  # fmt: skip
+"""Example requests of the OpenAI routes (their ``model`` is the first served)."""
 
 _ANSWERS: dict[tuple[str, str], tuple[str, type[BaseModel]]] = {
     ("post", "/v1/chat/completions"): ("200", shapes.ChatCompletionShape),
@@ -192,7 +212,7 @@ def openapi_document(app: FastAPI, served: list[str]) -> dict[str, Any]:
         if not operation["parameters"]:
             del operation["parameters"]
         if (security := _security_of(path)) is not None:
-            operation["security"] = [{security: []}]
+            operation["security"] = security
         if (body := _OWN_BODIES.get(key)) is not None:
             operation["requestBody"] = {
                 "required": True,
@@ -201,6 +221,11 @@ def openapi_document(app: FastAPI, served: list[str]) -> dict[str, Any]:
             model = schemas[body.__name__].get("properties", {}).get("model")
             if model is not None and served:
                 model["examples"] = served
+            if path in _EXAMPLES and served:
+                operation["requestBody"]["content"]["application/json"]["examples"] = {
+                    name: {"summary": summary, "value": {"model": served[0], **value}}
+                    for name, (summary, value) in _EXAMPLES[path].items()
+                }
         if (answer := _ANSWERS.get(key)) is not None:
             status, shape = answer
             content = {"application/json": {"schema": _schema_ref(schemas, shape)}}
@@ -243,12 +268,15 @@ def _operations(document: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, 
             yield method, path, operation
 
 
-def _security_of(path: str) -> str | None:
+def _security_of(path: str) -> list[dict[str, list[str]]] | None:
     if path.startswith("/admin/"):
-        return ADMIN_KEY
+        return [{ADMIN_KEY: []}]
     if path.startswith("/v1/"):
-        return TENANT_KEY
-    return None  # /health, /ready, /metrics
+        return [{TENANT_KEY: []}]
+    if path == "/metrics":
+        # Open to clients on the gateway's host (or everyone with TANDEM_METRICS_PUBLIC).
+        return [{ADMIN_KEY: []}, {}]
+    return None  # /health, /ready
 
 
 def _errors_of(path: str) -> tuple[int, ...]:
@@ -262,6 +290,8 @@ def _errors_of(path: str) -> tuple[int, ...]:
         return (*_ANY_REQUEST, *_AUTHENTICATED, 404, 503)  # billing off; the ledger down
     if path.startswith("/v1/"):
         return (*_ANY_REQUEST, *_AUTHENTICATED)
+    if path == "/metrics":
+        return (*_ANY_REQUEST, *_AUTHENTICATED, 403)
     return _ANY_REQUEST
 
 
