@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from gateway.serving.schemas import ChatCompletionRequest
 from tests.fuzz.checks import assert_openai_error
-from tests.fuzz.conftest import RUNNING_LIMITS
+from tests.fuzz.fuzzing import RUNNING_LIMITS
 from tests.fuzz.gateways import MODEL, Gateway
 
 MAX_BODY = int(RUNNING_LIMITS["TANDEM_MAX_BODY_BYTES"])

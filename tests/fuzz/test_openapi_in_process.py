@@ -15,7 +15,7 @@ from schemathesis import Case
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 
 from tests.fuzz.checks import openai_error, sse_stream
-from tests.fuzz.conftest import fuzz_config, served_models
+from tests.fuzz.fuzzing import fuzz_config, served_models
 from tests.fuzz.gateways import Gateway
 from tests.fuzz.walk import run_tenant_walk
 

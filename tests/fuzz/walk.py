@@ -17,7 +17,7 @@ from hypothesis.errors import Flaky
 from schemathesis import Case, Response
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 
-from tests.fuzz.conftest import SEED, state_machine_settings
+from tests.fuzz.fuzzing import SEED, state_machine_settings
 from tests.properties.profiles import examples, profile_name
 
 ISSUE_KEY = "POST /admin/v1/tenants/{tenant}/keys"
