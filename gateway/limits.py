@@ -16,7 +16,8 @@ capacity while its body trickles in.
 ``check_json_depth`` bounds how deeply a parsed JSON body nests (400 ``json_too_deep``): the
 gateway serialises bodies again (the engine legs, idempotency fingerprints) with an encoder
 that refuses anything nested past 254 levels, so a deeper body must be refused on the way in.
-The request line and headers are bounded by the HTTP server itself (``gateway/cli/serve.py``).
+The request line and headers are bounded by the HTTP server itself
+(``gateway/cli/http_protocol.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class RequestLimits:
     body_timeout_s: float = 30.0
     """Longest time from the request's head to the last byte of its body."""
     max_header_bytes: int = 32 * 1024
-    """Largest request line plus headers (the HTTP server's, ``gateway/cli/serve.py``)."""
+    """Largest request line plus headers (the HTTP server's: ``gateway/cli/http_protocol.py``)."""
     header_timeout_s: float = 30.0
     """Longest time from a connection's first byte (or its opening) to the end of a request's
     headers (the HTTP server's)."""
