@@ -83,8 +83,9 @@ def fuzz_config(
 
 
 def served_models(schema: OpenApiSchema) -> None:
-    """Half the generated ``model`` names are the one served, so requests reach the engine
-    and its answers (and streams) are checked too; the other half stay what was generated."""
+    """Half the generated valid ``model`` names become the one served, so requests reach the
+    engine and its answers (and streams) are checked too; the other half, and invalid ones
+    (a negative case's), stay what was generated."""
 
     @schema.hook
     def flatmap_body(context: HookContext, body: Any) -> st.SearchStrategy[Any]:
@@ -93,6 +94,8 @@ def served_models(schema: OpenApiSchema) -> None:
             return st.just(body)
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return st.just(body)
+        if not body["model"]:
+            return st.just(body)  # an invalid model on purpose (minLength): keep it invalid
         return st.sampled_from([MODEL, body["model"]]).map(lambda model: {**body, "model": model})
 
 
