@@ -3,12 +3,15 @@ from __future__ import annotations
 import pytest
 
 from core.errors import (
+    BodyTooLargeError,
     ContextLengthExceededError,
     EngineError,
     EngineTimeoutError,
+    HeadersTooLargeError,
     InvalidRequestError,
     ModelNotFoundError,
     NoHealthyWorkerError,
+    RequestTimeoutError,
     TandemError,
 )
 
@@ -24,6 +27,9 @@ from core.errors import (
             "context_length_exceeded",
         ),
         (ModelNotFoundError("nope"), 404, "invalid_request_error", "model_not_found"),
+        (RequestTimeoutError("slow"), 408, "invalid_request_error", "request_timeout"),
+        (BodyTooLargeError("big"), 413, "invalid_request_error", "body_too_large"),
+        (HeadersTooLargeError("big"), 431, "invalid_request_error", "headers_too_large"),
         (NoHealthyWorkerError("busy"), 503, "service_unavailable", "no_healthy_worker"),
         (EngineError("boom"), 502, "api_error", "engine_error"),
         (EngineTimeoutError("slow"), 504, "api_error", "engine_timeout"),
