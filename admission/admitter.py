@@ -12,6 +12,11 @@ work. A lower-band head the queue made due (it waited ``max_band_skips`` pops) w
 next regular slot (in-flight under capacity), which it gets: meanwhile interactive entries may
 still be admitted past it into the headroom, but at most the headroom's size of them, so an
 interactive storm that refills every freed slot cannot keep in-flight at capacity forever.
+Those are popped out of the queue's order (``FairQueue.pop(band)``), which counts them as no
+band's skip: they cannot make a better band due meanwhile, to take the due head's slot. So a
+waiting band is served within K + 2 + 2h admissions (K = ``max_band_skips``, h the headroom's
+slots): the queue's K + 2 in order, and up to h past each of at most two due heads, its own
+and one other (tests/properties/test_fair_queue_properties.py checks it).
 
 Capacity comes from a ``CapacitySignal`` read whenever a slot frees, a request arrives, and
 every ``poll_interval_s`` (capacity can grow with no request finishing: a worker becomes

@@ -10,10 +10,12 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   reaches K it is *due*, and the next pop serves it (the best due band first). A band's count
   resets when it is served or empties. K = 0 keeps bands strict: a band is served only when
   every better band is empty (a steady interactive stream then starves the rest forever).
-  Bound (K >= 1, tight): a waiting band is served within K + 2 pops: K pops to better bands
-  until it falls due, meanwhile batch may jump standard once (when due itself), and once batch
-  is due a due standard goes first, once. Interactive is never skipped, so never due: it is
-  served within 3 pops (due standard and batch first). Within a band, VTC: the backlogged
+  A pop of a given band out of this order (``pop(band)``: the admitter's interactive headroom
+  past a due entry) counts for no band. Bound (K >= 1, tight): a waiting band is served
+  within K + 2 pops in order: K pops to better bands until it falls due, meanwhile batch may
+  jump standard once (when due itself), and once batch is due a due standard goes first,
+  once. Interactive is never skipped, so never due: it is served within 3 pops (due standard
+  and batch first). Within a band, VTC: the backlogged
   tenant with the smallest counter goes next, FIFO per tenant, so a backlogged tenant's turn
   comes within a few of its band's turns (one per tenant ahead when charges are alike).
 - Lift: when a tenant's queue in a band goes from empty to non-empty, its counter is raised to
@@ -23,8 +25,13 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   overtake everyone who was served before). So idle time is never banked and a newcomer is
   never starved. The lift looks only at the same band: tenants of other bands are never compared
   with it, and a batch tenant's large counter must not push an interactive newcomer ahead.
-- Guarantee: two continuously backlogged tenants of one band differ in counter by at most about
-  one (two, with concurrency) of the largest single charges.
+- Guarantee (the VTC bound): every counter stays within ``U_i = (w_in P_i + m_i w_out O_i) / w_i``
+  of its band's floor (its largest prompt ``P_i`` and output ``O_i`` of one request, ``m_i`` its
+  most requests in flight at once), since it is popped only at the floor and then charged that
+  prompt and what its requests in flight still stream. So two tenants of one band, both
+  continuously backlogged, gain weighted service within ``U_f + U_g`` of each other over any
+  stretch: twice the largest single charge with one request in flight each, more with
+  concurrency (tests/properties/test_fair_queue_properties.py checks it).
 - Position (``position``): a tenant's place in its band when granted, 0 = no active tenant of
   the band (queued there, or running requests admitted from it) has received less service.
   The gateway carries it into the engine's priority, so the engine's own choices (its waiting
@@ -271,18 +278,25 @@ class FairQueue(Generic[P]):
         return None
 
     def pop(self, band: PriorityBand | None = None) -> QueueEntry[P]:
-        """Admit the next entry: the best due band, else the best band (``band``: that band,
-        e.g. interactive work using headroom past a due entry); then the smallest counter, FIFO
-        per tenant. Charges its prompt; the caller must ``finish`` it when the request ends."""
-        entry = self.peek(band)
+        """Admit the next entry: the best due band, else the best band; then the smallest
+        counter, FIFO per tenant. Charges its prompt; the caller must ``finish`` it when the
+        request ends.
+
+        ``band``: that band's next entry instead (interactive work admitted into the headroom
+        past a due entry). Taken outside the queue's order, it is no band's turn, so it counts
+        as no band's skip: otherwise those pops could make a better band due again while a due
+        worse band waits for its slot, and jump it indefinitely."""
+        head = self.peek()
+        entry = head if band is None else self.peek(band)
         if entry is None:
             raise IndexError("pop from an empty FairQueue")
         self._take(entry)
         served = self._bands[entry.band]
         served.num_skips = 0
-        for b in self._bands.values():
-            if b.name.rank > entry.band.rank and b.num_entries:
-                b.num_skips += 1
+        if entry is head:
+            for b in self._bands.values():
+                if b.name.rank > entry.band.rank and b.num_entries:
+                    b.num_skips += 1
         served.serving[entry.tenant_id] = served.serving.get(entry.tenant_id, 0) + 1
         state = self._tenants[entry.tenant_id]
         state.in_service += 1
