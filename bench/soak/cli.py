@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,7 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-soak-"))
-    console = Console()
+    # Piped (a CI log, tee), rich would wrap at 80 columns and cut the fault names.
+    console = Console(width=None if sys.stdout.isatty() else 140)
     console.print(f"soak: {args.minutes:g} min, faults {','.join(args.faults)}; logs in {workdir}")
     spec = SoakSpec(workdir=workdir, minutes=args.minutes, kinds=args.faults, gap_s=args.gap_s)
     result = asyncio.run(run_soak(spec))
