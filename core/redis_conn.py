@@ -3,8 +3,9 @@
 - No client-side retries: a blind retry of a script whose reply was lost would take, refund or
   create twice, and a dead store must answer at once. The pool still replaces connections a
   restarted server or a network reset closed, so the next call recovers by itself: over RESP2,
-  because redis-py 8.1 skips that check under RESP3 (its default; redis/redis-py#4252), and
-  every pooled connection an outage closed then failed its next call after the store was back.
+  because redis-py 8.1 skips that check under RESP3 (its default, with maintenance
+  notifications on), and every pooled connection an outage closed then failed its next call
+  after the store was back (tests/properties/test_quota_properties.py checks it).
 - A blocking pool: a burst beyond its size waits its turn, where redis-py's default pool raises
   "Too many connections" (past 100 concurrent calls that turned a healthy store into 503s).
 - Every call is bounded as a whole (connect, EVALSHA, the script-cache fallback after a
