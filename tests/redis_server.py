@@ -6,15 +6,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
+from admission.tenants import hash_key
 from tests.server_process import ServerProcess, free_port
 
 START_TIMEOUT_S = 10.0
@@ -84,3 +89,46 @@ def _answers_ping(port: int) -> bool:
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+class Lookups:
+    """Every command the Redis server runs (scripts' own calls included), from ``MONITOR``."""
+
+    def __init__(self, url: str) -> None:
+        self._redis = Redis.from_url(url)
+        self.commands: list[str] = []
+        self._marker = uuid.uuid4().hex
+        self._marked = asyncio.Event()
+
+    @asynccontextmanager
+    async def watching(self) -> AsyncIterator[Lookups]:
+        async with self._redis.monitor() as monitor:
+            reader = asyncio.create_task(self._read(monitor))
+            try:
+                yield self
+                # A marker through another connection: once it shows, so has all before it.
+                await self._redis.echo(self._marker)
+                await asyncio.wait_for(self._marked.wait(), timeout=10)
+            finally:
+                reader.cancel()
+        await self._redis.aclose()
+
+    async def _read(self, monitor: Any) -> None:
+        async for info in monitor.listen():
+            self.commands.append(str(info["command"]))
+            if self._marker in self.commands[-1]:
+                self._marked.set()
+
+    def of(self, key: str) -> int:
+        """How many commands named ``key``'s hash (its lookups, and each script's own reads)."""
+        digest = hash_key(key)
+        return sum(digest in command for command in self.commands)
+
+    def lookups_of(self, key: str) -> int:
+        """How many registry lookups of ``key`` ran: scripts called with its hash (a script's
+        own reads of it are not counted again)."""
+        digest = hash_key(key)
+        return sum(
+            digest in command and command.upper().startswith(("EVALSHA", "EVAL"))
+            for command in self.commands
+        )

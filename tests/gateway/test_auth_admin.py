@@ -15,13 +15,12 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from redis.asyncio import Redis
 
 from admission.registry_sqlite import SqliteTenantRegistry
 from gateway.assembly.app import AccessConfig
 from gateway.assembly.stores import StoreConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack
-from tests.redis_server import running_redis
+from tests.redis_server import Lookups, running_redis
 
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France?"}
@@ -145,36 +144,24 @@ async def test_revoking_an_unknown_key_is_404(stack: FakeStack) -> None:
 
 async def test_a_burst_on_a_cold_key_looks_it_up_once(tmp_path: Path) -> None:
     """Concurrent requests with a key the gateway has not cached share one registry lookup
-    (counted by the real Redis server), instead of all asking the store at once."""
+    (the lookup scripts naming the key's hash, as the real Redis server ran them), instead of
+    all asking the store at once."""
     with running_redis() as server:
         access = AccessConfig(
             admin_key=ADMIN_KEY,
             stores=StoreConfig(redis_url=server.url),
-            key_touch_interval_s=3600,  # no last-used write (a script too) during the burst
-            fairness_sync_interval_s=3600,  # nor a fairness sync (a script as well)
+            key_touch_interval_s=3600,  # no last-used write of the key during the burst
         )
         async with make_fake_stack(access=access) as stack:
-            api_key = await stack.new_tenant("acme")  # unlimited: no quota script runs
-            redis = Redis.from_url(server.url)
-            try:
-                before = await _script_calls(redis)
+            api_key = await stack.new_tenant("acme")
+            async with Lookups(server.url).watching() as watched:
                 started = time.monotonic()
                 responses = await asyncio.gather(*(_chat(stack, api_key) for _ in range(40)))
                 elapsed = time.monotonic() - started
-                lookups = await _script_calls(redis) - before
-            finally:
-                await redis.aclose()
     assert [r.status_code for r in responses] == [200] * 40
     # One lookup per cache lifetime (0.5 s) that the burst spans, at most.
+    lookups = watched.lookups_of(api_key)
     assert 1 <= lookups <= 1 + int(elapsed / 0.5), (lookups, elapsed)
-
-
-async def _script_calls(redis: Redis) -> int:
-    """Lua script runs the server has counted (the registry looks keys up with one)."""
-    stats = await redis.info("commandstats")
-    return sum(
-        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
-    )
 
 
 # -- the admin credential --------------------------------------------------------------------

@@ -18,14 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from redis.asyncio import Redis
 
-from admission.tenants import hash_key
 from gateway.assembly.app import AccessConfig
 from gateway.assembly.stores import StoreConfig
 from gateway.auth_throttle import AuthThrottleConfig
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack
-from tests.redis_server import RedisServer, running_redis
+from tests.redis_server import Lookups, RedisServer, running_redis
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 LIMIT = 3
@@ -86,40 +84,6 @@ def throttled_error(response: httpx.Response) -> dict[str, Any]:
     assert int(response.headers["retry-after-ms"]) >= 1
     assert "x-should-retry" not in response.headers  # a valid key gets through after the wait
     return error
-
-
-class Lookups:
-    """Every command the Redis server runs (scripts' own calls included), from ``MONITOR``."""
-
-    def __init__(self, url: str) -> None:
-        self._redis = Redis.from_url(url)
-        self.commands: list[str] = []
-        self._marker = uuid.uuid4().hex
-        self._marked = asyncio.Event()
-
-    @asynccontextmanager
-    async def watching(self) -> AsyncIterator[Lookups]:
-        async with self._redis.monitor() as monitor:
-            reader = asyncio.create_task(self._read(monitor))
-            try:
-                yield self
-                # A marker through another connection: once it shows, so has all before it.
-                await self._redis.echo(self._marker)
-                await asyncio.wait_for(self._marked.wait(), timeout=10)
-            finally:
-                reader.cancel()
-        await self._redis.aclose()
-
-    async def _read(self, monitor: Any) -> None:
-        async for info in monitor.listen():
-            self.commands.append(str(info["command"]))
-            if self._marker in self.commands[-1]:
-                self._marked.set()
-
-    def of(self, key: str) -> int:
-        """How many commands named ``key``'s hash: its lookups."""
-        digest = hash_key(key)
-        return sum(digest in command for command in self.commands)
 
 
 async def test_a_guesser_is_slowed_without_lookups_while_others_keep_working(
