@@ -157,10 +157,14 @@ async def light_phase(
 
 
 async def _heavy_stream(
-    client: openai.AsyncOpenAI, model: str, output_tokens: int, until: float, load: TenantLoad
+    client: openai.AsyncOpenAI,
+    model: str,
+    output_tokens: int,
+    stop: asyncio.Event,
+    load: TenantLoad,
 ) -> None:
-    """One closed-loop stream: requests back to back until ``until``."""
-    while time.perf_counter() < until:
+    """One closed-loop stream: requests back to back until ``stop`` is set."""
+    while not stop.is_set():
         record = StreamRecord()
         try:
             stream = await client.chat.completions.create(
@@ -220,25 +224,31 @@ async def flood(
         }
         unloaded = await light_phase(clients["light"], model, light_rate, duration_s)
         heavy = {"w1": TenantLoad(), "w3": TenantLoad()}
-        until = time.perf_counter() + warmup_s + duration_s
+        # The flood lasts until the window has closed, however long the light phase overruns
+        # it: a flood that stopped at a fixed time would let the weight-3 tenant's shorter
+        # queue run dry first inside the window, and the weight-1 tenant then take every slot.
+        stop = asyncio.Event()
         # Interleaved, so that neither tenant takes every free slot before the other arrives (VTC
         # would then serve the other alone until their counters meet: correct, but not the steady
         # state this measures).
         tasks = [
             asyncio.create_task(
-                _heavy_stream(clients[name], model, output_tokens, until, heavy[name])
+                _heavy_stream(clients[name], model, output_tokens, stop, heavy[name])
             )
             for _ in range(streams)
             for name in ("w1", "w3")
         ]
-        await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
-        async with Profiler(base, workers) as profiler:
-            start = time.perf_counter()
-            occupancy = asyncio.create_task(_sample_occupancy(admin, names))
-            flooded = await light_phase(clients["light"], model, light_rate, duration_s)
-            end = time.perf_counter()
-            occupancy.cancel()
-            samples = await occupancy
+        try:
+            await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
+            async with Profiler(base, workers) as profiler:
+                start = time.perf_counter()
+                occupancy = asyncio.create_task(_sample_occupancy(admin, names))
+                flooded = await light_phase(clients["light"], model, light_rate, duration_s)
+                end = time.perf_counter()
+                occupancy.cancel()
+                samples = await occupancy
+        finally:
+            stop.set()
         await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
         served = {name: load.served_in(start, end) for name, load in heavy.items()}
         for client in clients.values():

@@ -49,8 +49,9 @@ def test_weighted_share_and_isolation_under_a_flood(
     w1, w3 = result.served["w1"], result.served["w3"]
     one_request = max(s.served_in(float("-inf"), float("inf")) for s in result.heavy["w1"].streams)
     assert abs(w3 / 3 - w1) <= 0.1 * w1 + 2 * one_request, (
-        f"weight-3 : weight-1 served tokens {result.ratio:.2f} ({w3:.0f} : {w1:.0f}; "
-        f"one request is {one_request:.0f})"
+        f"weight-3 : weight-1 served tokens {result.ratio:.2f} ({w3:.0f} : {w1:.0f} in a "
+        f"{result.window_s:.1f} s window; one request is {one_request:.0f}); "
+        f"profile: {result.profile}"
     )
     for name, load in result.heavy.items():
         assert not load.errors, f"heavy {name} saw errors: {load.errors}"
