@@ -43,13 +43,17 @@ class PiiDetector:
     validate: Callable[[re.Match[str]], tuple[int, int] | None]
     max_chars: int | None
     """The longest text a match can span, for the stream window; ``None`` when unbounded."""
-    gate: re.Pattern[str]
-    """Something every match contains (a digit, an ``@``): one cheap scan skips the
-    detector on text without it, which is most prose."""
+    min_digits: int
+    """The fewest digits (``\\d``) a validated match holds. ``find_with`` counts a text's
+    digits once and skips every detector needing more: most prose has a few digits at most,
+    and a streamed answer is checked again at every chunk."""
+    gate: re.Pattern[str] | None = None
+    """Something every match contains (an ``@``): one cheap scan skips the detector on text
+    without it."""
 
     def find(self, text: str) -> Iterable[PiiMatch]:
         """Every validated match in ``text``, left to right."""
-        if self.gate.search(text) is None:
+        if self.gate is not None and self.gate.search(text) is None:
             return
         for match in self.pattern.finditer(text):
             span = self.validate(match)
@@ -263,15 +267,16 @@ _DIGIT = re.compile(r"\d")
 _AT = re.compile("@")
 
 PRIORITY: tuple[PiiDetector, ...] = (
-    # Checksummed detectors first: their matches are the most certain.
-    PiiDetector("payment_card", _CARD, _card, 19 + 18, _DIGIT),
-    PiiDetector("iban", _IBAN, _iban, _IBAN_MAX + _IBAN_MAX // 4, _DIGIT),
-    PiiDetector("in_aadhaar", _AADHAAR, _aadhaar, 14, _DIGIT),
-    PiiDetector("es_dni", _DNI, _dni, 10, _DIGIT),
-    PiiDetector("us_ssn", _SSN, _ssn, 11, _DIGIT),
-    PiiDetector("uk_nino", _NINO, _nino, 13, _DIGIT),
-    PiiDetector("email", _EMAIL, _whole, None, _AT),
-    PiiDetector("phone", _PHONE, _phone, 32, _DIGIT),
+    # Checksummed detectors first: their matches are the most certain. The digit counts are
+    # what each pattern (and, for phones, the validator) requires at the least.
+    PiiDetector("payment_card", _CARD, _card, 19 + 18, min_digits=13),
+    PiiDetector("iban", _IBAN, _iban, _IBAN_MAX + _IBAN_MAX // 4, min_digits=2),
+    PiiDetector("in_aadhaar", _AADHAAR, _aadhaar, 14, min_digits=12),
+    PiiDetector("es_dni", _DNI, _dni, 10, min_digits=8),
+    PiiDetector("us_ssn", _SSN, _ssn, 11, min_digits=9),
+    PiiDetector("uk_nino", _NINO, _nino, 13, min_digits=6),
+    PiiDetector("email", _EMAIL, _whole, None, min_digits=0, gate=_AT),
+    PiiDetector("phone", _PHONE, _phone, 32, min_digits=_MIN_PHONE_DIGITS),
 )
 
 DETECTORS: Mapping[str, PiiDetector] = MappingProxyType({d.name: d for d in PRIORITY})
@@ -299,7 +304,10 @@ def find_with(text: str, detectors: Sequence[PiiDetector]) -> list[PiiMatch]:
     """``find_pii`` over detectors already chosen (``detectors_named``): a stream checks every
     window with the same ones."""
     found: list[PiiMatch] = []
+    num_digits = len(_DIGIT.findall(text))
     for detector in detectors:
+        if detector.min_digits > num_digits:
+            continue
         for match in detector.find(text):
             if not any(match.start < m.end and m.start < match.end for m in found):
                 found.append(match)
