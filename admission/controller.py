@@ -203,7 +203,11 @@ class AdmissionController:
     ) -> Reservation | None:
         """``_reserve``, which a cancellation (the client left) does not cut short: the store
         may grant a reservation whose answer never arrives, and its concurrency hold would stay
-        taken until it expires. So the round trip ends, and what it took is given back."""
+        taken until it expires. So the round trip ends, and what it took is given back. A store
+        that answers at once needs none of this (nothing can cut it short), nor its task: a
+        hop through the event loop was a tenth of a millisecond of every request's TTFT."""
+        if self._quotas.answers_at_once:
+            return await self._reserve(tenant, estimate)
         reserving = asyncio.ensure_future(self._reserve(tenant, estimate))
         try:
             return await asyncio.shield(reserving)

@@ -76,6 +76,10 @@ class QuotaStore(Protocol):
     Every method raises ``StoreUnavailable`` when the store cannot be reached.
     """
 
+    answers_at_once: bool
+    """True when no call ever suspends (the counters live in this process): a cancellation
+    then cannot land between the store taking a reservation and its caller hearing of it."""
+
     async def reserve(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, hold_s: float
     ) -> Reservation | Denial:

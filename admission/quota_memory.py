@@ -109,6 +109,8 @@ class MemoryQuotaStore:
     """``QuotaStore`` in this process. Safe under asyncio because no method awaits between
     reading and writing a tenant's counters."""
 
+    answers_at_once: bool = True
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}

@@ -136,6 +136,8 @@ _WAIT_KINDS = (LimitKind.TOKENS, LimitKind.REQUESTS, LimitKind.CONCURRENCY)
 class RedisQuotaStore:
     """``QuotaStore`` in Redis, shared by every gateway replica pointed at the same server."""
 
+    answers_at_once: bool = False
+
     def __init__(
         self, url: str, *, key_prefix: str = "tandem:quota:", timeout_s: float = 0.5
     ) -> None:

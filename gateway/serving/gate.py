@@ -200,33 +200,41 @@ async def unless_client_leaves(
 ) -> T:
     """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
     queue entry leaves, an engine call is aborted) and ``ClientDisconnectedError`` raised. A
-    result that arrives in the same instant goes to ``discard``, since nobody will use it."""
-    task = asyncio.ensure_future(work)
+    result that ``work`` returns all the same (it finished as the hang-up came) goes to
+    ``discard``, since nobody will use it.
+
+    ``work`` runs in the caller's own task, which a watcher task cancels when the client hangs
+    up: a task of its own for ``work`` cost every request a hop through the event loop before
+    it even started (a tenth of a millisecond of TTFT at low load, more under load)."""
+    current = asyncio.current_task()
+    assert current is not None
+    watching = True
+    client_left = False
+
+    def on_gone(watcher: asyncio.Future[None]) -> None:
+        nonlocal client_left
+        # ``watching``: this callback may run after ``work`` returned (it was scheduled first).
+        if watching and not watcher.cancelled():
+            client_left = True
+            current.cancel()
+
     watcher = asyncio.ensure_future(client_gone())
+    watcher.add_done_callback(on_gone)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        await _abandon(task, watcher, discard)  # this handler was cancelled
-        raise
-    if task.done():
-        watcher.cancel()
-        await asyncio.wait((watcher,))
-        return task.result()
-    await _abandon(task, watcher, discard)
-    raise ClientDisconnectedError(gone_message)
-
-
-async def _abandon(
-    task: asyncio.Future[T],
-    watcher: asyncio.Future[None],
-    discard: Callable[[T], Awaitable[None]] | None,
-) -> None:
-    """End both (they are owned by ``unless_client_leaves``)."""
-    task.cancel()
-    watcher.cancel()
-    await asyncio.wait((task, watcher))
-    if discard is not None and not task.cancelled() and task.exception() is None:
-        await discard(task.result())
+        result = await work
+    except asyncio.CancelledError:
+        if client_left and current.uncancel() == 0:
+            raise ClientDisconnectedError(gone_message) from None
+        raise  # cancelled from elsewhere (the server stopping) too: that goes on up
+    finally:
+        watching = False
+        watcher.cancel()  # a cancelled wait for the hang-up consumes nothing
+    if client_left:  # ``work`` finished despite the cancel: the hang-up still wins
+        current.uncancel()
+        if discard is not None:
+            await discard(result)
+        raise ClientDisconnectedError(gone_message)
+    return result
 
 
 async def _settle_unused(admission: Admission) -> None:

@@ -213,6 +213,7 @@ class RecordingStore:
         self._link = link
         self._backend = backend
         self._models = models
+        self.answers_at_once = inner.answers_at_once  # it adds no wait of its own
         self.crashed = False
         self.last_reserve: Literal["granted", "refused", "failed"] | None = None
         self.last_reservation: Reservation | None = None
@@ -418,13 +419,16 @@ class QuotaRun:
             replica.controller.admit(tenant, estimate, None, on_reserved=reserved)
         )
         replica.waiting.append(request)
-        if step.leaves_while_reserving:
+        # A store that answers at once (in memory) leaves the client no moment to hang up while
+        # it reserves: admit never waits for it.
+        leaves = step.leaves_while_reserving and not replica.store.answers_at_once
+        if leaves:
             await asyncio.sleep(0)  # admit is now waiting for the store's answer
             request.task.cancel()
         await self.settle()
         request.reservation = replica.store.last_reservation
         self.requests.append(request)
-        self.check_arrival(request, replica.store.last_reserve, step.leaves_while_reserving)
+        self.check_arrival(request, replica.store.last_reserve, leaves)
 
     def check_arrival(
         self, request: Request, reserve: Literal["granted", "refused", "failed"] | None, left: bool
