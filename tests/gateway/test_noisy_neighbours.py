@@ -47,9 +47,10 @@ OUTPUT_TOKENS = 20
 """Words per answer; with EOS, 21 tokens: about 0.4 s of streaming."""
 SCENARIO_LIMIT_S = 30.0
 """A hang guard, not a speed target (speed lives in bench/noisy_neighbours.py): the whole file
-takes about 15 s alone, and one scenario was seen past an 8 s limit in a full-suite run on this
-2-core machine (every engine and the admission queue idle when it was stopped; the cause was not
-found)."""
+takes about 15 s alone. Twice in full-suite runs a backlog scenario ran past its limit; the
+reports then showed every engine and the admission queue idle, but were read after the scenario
+had been cancelled. ``_within`` now reads them before cancelling, so a next time says where the
+requests were."""
 
 T = TypeVar("T")
 
@@ -152,10 +153,12 @@ def _threads_report() -> str:
 
 
 async def _within(awaitable: Awaitable[T], what: str, stack: FakeStack | None = None) -> T:
-    """``awaitable``'s result; past the limit, an assertion naming where requests were stuck."""
-    try:
-        return await asyncio.wait_for(awaitable, SCENARIO_LIMIT_S)
-    except TimeoutError:
+    """``awaitable``'s result; past the limit, an assertion naming where requests were stuck.
+    The report is taken before ``awaitable`` is cancelled (``wait_for`` would cancel it first,
+    and its requests would have left the gateway, the queue and the engines by then)."""
+    future = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({future}, timeout=SCENARIO_LIMIT_S)
+    if not done:
         where = ""
         if stack is not None:
             text = (await stack.admin.get("/metrics")).text
@@ -168,7 +171,10 @@ async def _within(awaitable: Awaitable[T], what: str, stack: FakeStack | None = 
             where = f"; engines (running, waiting): {engines}; gateway: {gauges}"
             where += _threads_report()
         where += "\ntasks:\n" + task_stacks()
-        raise AssertionError(f"{what} did not finish within {SCENARIO_LIMIT_S} s{where}") from None
+        future.cancel()
+        await asyncio.wait({future})
+        raise AssertionError(f"{what} did not finish within {SCENARIO_LIMIT_S} s{where}")
+    return future.result()
 
 
 async def _ledger(stack: FakeStack) -> dict[str, dict[str, str]]:
