@@ -226,6 +226,10 @@ async def unless_client_leaves(
         if client_left and current.uncancel() == 0:
             raise ClientDisconnectedError(gone_message) from None
         raise  # cancelled from elsewhere (the server stopping) too: that goes on up
+    except BaseException:
+        if client_left:  # ``work`` failed on its own as the hang-up came: that failure goes up
+            current.uncancel()
+        raise
     finally:
         watching = False
         watcher.cancel()  # a cancelled wait for the hang-up consumes nothing
