@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,9 +137,11 @@ def start_tandem(
     work_dir: Path,
     cores: frozenset[int] | None,
     traces_endpoint: str | None = None,
+    more_decode_urls: Sequence[str] = (),
 ) -> tuple[Server, str | None]:
-    """The gateway over the given workers, ready; and the API key to call it with. A traced
-    setup sends its spans to ``traces_endpoint``."""
+    """The gateway over the given workers (``more_decode_urls``: decode workers beside
+    ``decode_url``), ready; and the API key to call it with. A traced setup sends its spans to
+    ``traces_endpoint``."""
     name = setup.label
     state_dir = work_dir / name
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +152,8 @@ def start_tandem(
         "--decode-url", decode_url, "--port", str(port),
         "--gateway-workers", str(setup.gateway_workers),
     ]  # fmt: skip
+    for url in more_decode_urls:
+        argv += ["--decode-url", url]
     url = f"http://127.0.0.1:{port}"
     server = start_python_server(name, argv, url, "/ready", work_dir, cores, env)
     try:

@@ -1,0 +1,260 @@
+"""Streams/s served by 1, 2, ... gateway processes on as many cores (issue 24: "every core").
+
+``python -m bench.overhead.scaling --processes 1,2,4`` starts fake decode engines and load
+generators on cores of their own, then for each N runs ``tandem up --gateway-workers N``
+(colocated path, auth, quotas, fair queue and billing on; above one process the shared stores
+are the ``redis-server`` it starts) pinned to N cores, the Redis included, and loads it with
+``--concurrency-per-process`` streams per process for the measured window. It prints, per N:
+streams/s, the cores the gateway's process tree used, its CPU per request, the speed-up over
+one process, and how busy the busiest engine and generator were (a figure near 100% there
+means the run measured them, not the gateway).
+
+The load comes from several processes (``bench/overhead/scaling_load.py``), started with one
+shared start time, because a single Python client saturates near what one gateway process
+serves. It needs ``N + engines + generators + 1`` cores (the last for this process and the
+fake prefill worker); on fewer, ``--no-pin`` runs everything unpinned, which measures the
+machine, not the scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from bench.overhead.fake_vllm import Timing
+from bench.overhead.procs import Server, spawn, start_fake_engine
+from bench.overhead.servers import TandemSetup, start_tandem
+
+MODEL = "fake-model"
+BOOT_S = 4.0
+"""Time for the generators to import and connect before the shared start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which cores each part of the run gets (None everywhere: unpinned)."""
+
+    gateway: list[frozenset[int] | None]
+    """Index N-1: the cores for N gateway processes."""
+    engines: list[frozenset[int] | None]
+    generators: list[frozenset[int] | None]
+    rest: frozenset[int] | None
+
+    @staticmethod
+    def plan(max_processes: int, engines: int, generators: int, pin: bool) -> Layout:
+        if not pin:
+            return Layout([None] * max_processes, [None] * engines, [None] * generators, None)
+        cores = sorted(os.sched_getaffinity(0))
+        needed = max_processes + engines + generators + 1
+        if len(cores) < needed:
+            raise SystemExit(
+                f"this run needs {needed} cores ({max_processes} gateway, {engines} engines, "
+                f"{generators} generators, 1 for the rest) and {len(cores)} are available: "
+                "use fewer, or --no-pin (which measures the machine, not the scaling)"
+            )
+        engine_at, generator_at = max_processes, max_processes + engines
+        return Layout(
+            gateway=[frozenset(cores[:n]) for n in range(1, max_processes + 1)],
+            engines=[frozenset({cores[engine_at + i]}) for i in range(engines)],
+            generators=[frozenset({cores[generator_at + i]}) for i in range(generators)],
+            rest=frozenset(cores[needed - 1 :]),
+        )
+
+
+@dataclass(slots=True)
+class ScalingRow:
+    processes: int
+    concurrency: int
+    streams_per_s: float
+    failed: int
+    errors: dict[str, int]
+    chunks_per_stream: float
+    gateway_cores_busy: float
+    """The gateway's process tree (Redis included): CPU seconds per wall second."""
+    redis_cores_busy: float
+    """The part of ``gateway_cores_busy`` that is the ``redis-server`` alone."""
+    gateway_cpu_ms_per_request: float
+    busiest_engine: float
+    busiest_generator: float
+    speedup: float = 1.0
+
+
+def _parse_levels(text: str) -> list[int]:
+    return sorted({int(part) for part in text.split(",") if part.strip()})
+
+
+def _cpu_s(servers: Sequence[Server]) -> list[float]:
+    return [server.cpu_seconds() for server in servers]
+
+
+def redis_cpu_s(gateway: Server) -> float:
+    """CPU seconds so far of the ``redis-server`` the gateway's ``tandem up`` started (0 when
+    it started none): the share of the gateway's cores the shared stores take themselves."""
+    total = 0.0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(gateway.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "redis-server" in child.name():
+                    times = child.cpu_times()
+                    total += times.user + times.system
+    return total
+
+
+def measure(
+    processes: int,
+    args: argparse.Namespace,
+    layout: Layout,
+    prefill: Server,
+    decodes: Sequence[Server],
+    work_dir: Path,
+) -> ScalingRow:
+    setup = TandemSetup(
+        two_legs=False,
+        gateway_workers=processes,
+        max_in_flight_per_worker=max(4096, 2 * args.concurrency_per_process * processes),
+    )
+    gateway, api_key = start_tandem(
+        setup,
+        prefill.url,
+        decodes[0].url,
+        MODEL,
+        work_dir,
+        layout.gateway[processes - 1],
+        more_decode_urls=[d.url for d in decodes[1:]],
+    )
+    concurrency = args.concurrency_per_process * processes
+    generators: list[subprocess.Popen[bytes]] = []
+    try:
+        start_at = time.time() + BOOT_S
+        shares = [concurrency // args.generators] * args.generators
+        shares[0] += concurrency - sum(shares)
+        for index, (share, cores) in enumerate(zip(shares, layout.generators, strict=True)):
+            argv = [
+                sys.executable, "-m", "bench.overhead.scaling_load", "--url", gateway.url,
+                "--model", MODEL, "--concurrency", str(share), "--start-at", str(start_at),
+                "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
+                "--tokens", str(args.tokens),
+            ] + (["--api-key", api_key] if api_key else [])  # fmt: skip
+            process, _ = spawn(f"load-{processes}-{index}", argv, work_dir, cores, stdout_pipe=True)
+            generators.append(process)
+        window_start = start_at + args.warmup_s
+        time.sleep(max(0.0, window_start - time.time()))
+        gateway0, redis0, engines0 = gateway.cpu_seconds(), redis_cpu_s(gateway), _cpu_s(decodes)
+        time.sleep(args.duration_s)
+        gateway_s = gateway.cpu_seconds() - gateway0
+        redis_s = redis_cpu_s(gateway) - redis0
+        engines_s = [
+            after - before for before, after in zip(engines0, _cpu_s(decodes), strict=True)
+        ]
+        reports = []
+        for process in generators:
+            out, _ = process.communicate(timeout=120)
+            if process.returncode != 0:
+                raise SystemExit(f"a load generator failed ({process.returncode}); see {work_dir}")
+            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    finally:
+        for process in generators:
+            if process.poll() is None:
+                process.kill()
+        gateway.stop()
+    completed = sum(r["completed"] for r in reports)
+    errors: dict[str, int] = {}
+    for report in reports:
+        for kind, count in (report["errors"] or {}).items():
+            errors[kind] = errors.get(kind, 0) + count
+    return ScalingRow(
+        processes=processes,
+        concurrency=concurrency,
+        streams_per_s=completed / args.duration_s,
+        failed=sum(r["failed"] for r in reports),
+        errors=errors,
+        chunks_per_stream=sum(r["chunks"] for r in reports) / completed if completed else 0.0,
+        gateway_cores_busy=gateway_s / args.duration_s,
+        redis_cores_busy=redis_s / args.duration_s,
+        gateway_cpu_ms_per_request=gateway_s * 1000 / completed if completed else float("nan"),
+        busiest_engine=max(engines_s) / args.duration_s,
+        busiest_generator=max(r["generator_cpu_s"] / r["window_s"] for r in reports),
+    )
+
+
+def print_rows(rows: Sequence[ScalingRow]) -> None:
+    header = (
+        f"{'processes':>9} {'streams':>7} {'streams/s':>9} {'speed-up':>8} {'failed':>6} "
+        f"{'gw cores':>8} {'of which redis':>14} {'gw ms/req':>9} {'engine max':>10} "
+        f"{'generator max':>13}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r.processes:>9} {r.concurrency:>7} {r.streams_per_s:>9.1f} {r.speedup:>7.2f}x "
+            f"{r.failed:>6} {r.gateway_cores_busy:>8.2f} {r.redis_cores_busy:>14.2f} "
+            f"{r.gateway_cpu_ms_per_request:>9.3f} "
+            f"{100 * r.busiest_engine:>9.0f}% {100 * r.busiest_generator:>12.0f}%"
+            + (f"  errors {r.errors}" if r.errors else "")
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead.scaling", description=__doc__)
+    parser.add_argument("--processes", default="1,2", help="gateway process counts")
+    parser.add_argument("--concurrency-per-process", type=int, default=512)
+    parser.add_argument("--engines", type=int, default=2, help="fake decode engines")
+    parser.add_argument("--generators", type=int, default=2, help="load generator processes")
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--duration-s", type=float, default=15.0)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--itl-ms", type=float, default=20.0)
+    parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--out-json", type=Path)
+    args = parser.parse_args(argv)
+    levels = _parse_levels(args.processes)
+    layout = Layout.plan(max(levels), args.engines, args.generators, not args.no_pin)
+    # Each open stream holds two sockets in the gateway; children inherit the raised limit.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1 << 16)), hard))
+    if layout.rest is not None:
+        os.sched_setaffinity(0, layout.rest)
+    timing = Timing(num_tokens=args.tokens, itl_s=args.itl_ms / 1000)
+    work_dir = Path(tempfile.mkdtemp(prefix="tandem-scaling-"))
+    engines: list[Server] = []
+    rows: list[ScalingRow] = []
+    try:
+        prefill = start_fake_engine("fake-prefill", timing, MODEL, work_dir, layout.rest)
+        engines.append(prefill)
+        decodes = [
+            start_fake_engine(f"fake-decode-{i}", timing, MODEL, work_dir, cores)
+            for i, cores in enumerate(layout.engines)
+        ]
+        engines += decodes
+        print(f"cores: {asdict(layout)}", flush=True)
+        for processes in levels:
+            row = measure(processes, args, layout, prefill, decodes, work_dir)
+            row.speedup = row.streams_per_s / rows[0].streams_per_s if rows else 1.0
+            rows.append(row)
+            print_rows([row])
+            sys.stdout.flush()
+    finally:
+        for engine in engines:
+            engine.stop()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    print()
+    print_rows(rows)
+    if args.out_json:
+        args.out_json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``bench.overhead.scaling``: where each part of the run is pinned, and what one load
+generator counts, against the fake engine in this process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bench.overhead.fake_http import serve
+from bench.overhead.fake_vllm import FakeVllm, Timing
+from bench.overhead.scaling import Layout
+from bench.overhead.scaling_load import LoadArgs, run
+
+MODEL = "fake-model"
+TOKENS = 4
+
+
+def test_layout_gives_every_part_cores_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
+    layout = Layout.plan(max_processes=4, engines=3, generators=5, pin=True)
+    assert [len(cores or ()) for cores in layout.gateway] == [1, 2, 3, 4]
+    widest = layout.gateway[-1] or frozenset()
+    others = [*layout.engines, *layout.generators, layout.rest]
+    taken = [core for cores in others for core in cores or ()]
+    assert len(taken) == len(set(taken)), "a core is given twice"
+    assert not widest & set(taken), "the gateway shares a core with the load"
+    assert len(layout.engines) == 3 and len(layout.generators) == 5
+    assert layout.rest == frozenset(range(12, 16))
+
+
+def test_layout_refuses_a_machine_too_small_naming_the_way_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    with pytest.raises(SystemExit, match=r"needs 5 cores .* 2 are available.*--no-pin"):
+        Layout.plan(max_processes=2, engines=1, generators=1, pin=True)
+    unpinned = Layout.plan(max_processes=2, engines=1, generators=1, pin=False)
+    assert unpinned.gateway == [None, None] and unpinned.rest is None
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
+    engine = FakeVllm(MODEL, Timing(num_tokens=TOKENS, itl_s=0.002))
+    server = await serve(engine.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def test_a_generator_counts_the_streams_that_end_inside_its_window(
+    fake: tuple[FakeVllm, str],
+) -> None:
+    engine, url = fake
+    args = LoadArgs(
+        url=url, api_key=None, model=MODEL, concurrency=3, start_at=time.time(),
+        warmup_s=0.3, duration_s=0.7, tokens=TOKENS, prompt_words=5, stagger_s=0.01,
+    )  # fmt: skip
+    report = await run(args)
+    assert report.failed == 0 and report.errors == {}
+    assert report.completed > 0
+    # Every stream carries one event per token and one with the finish reason and usage.
+    assert report.chunks == report.completed * (TOKENS + 1)
+    # Streams ended in the warm-up (and any still open at the end) are sent but not counted.
+    assert engine.stats.streams > report.completed
+    assert report.window_s == 0.7 and report.generator_cpu_s > 0
+
+
+async def test_a_generator_counts_refusals_as_failures_by_kind(
+    fake: tuple[FakeVllm, str],
+) -> None:
+    _, url = fake
+    args = LoadArgs(
+        url=url, api_key=None, model="no-such-model", concurrency=2, start_at=time.time(),
+        warmup_s=0.0, duration_s=0.3, tokens=TOKENS, prompt_words=5, stagger_s=0.01,
+    )  # fmt: skip
+    report = await run(args)
+    assert report.completed == 0 and report.failed > 0
+    assert report.errors is not None and set(report.errors) == {"http_404"}
