@@ -47,13 +47,13 @@ class PiiDetector:
     """The fewest digits (``\\d``) a validated match holds. ``find_with`` counts a text's
     digits once and skips every detector needing more: most prose has a few digits at most,
     and a streamed answer is checked again at every chunk."""
-    gate: re.Pattern[str] | None = None
-    """Something every match contains (an ``@``): one cheap scan skips the detector on text
-    without it."""
+    gate: str | None = None
+    """A character every match contains (an ``@``): one cheap ``in`` skips the detector on
+    text without it."""
 
     def find(self, text: str) -> Iterable[PiiMatch]:
         """Every validated match in ``text``, left to right."""
-        if self.gate is not None and self.gate.search(text) is None:
+        if self.gate is not None and self.gate not in text:
             return
         for match in self.pattern.finditer(text):
             span = self.validate(match)
@@ -264,7 +264,9 @@ def _dni(match: re.Match[str]) -> tuple[int, int] | None:
 # --- the table ---------------------------------------------------------------------------
 
 _DIGIT = re.compile(r"\d")
-_AT = re.compile("@")
+# On ASCII text ``\d`` means 0-9, which re tests by range rather than by Unicode category:
+# about twice as fast on prose.
+_ASCII_DIGIT = re.compile("[0-9]")
 
 PRIORITY: tuple[PiiDetector, ...] = (
     # Checksummed detectors first: their matches are the most certain. The digit counts are
@@ -275,7 +277,7 @@ PRIORITY: tuple[PiiDetector, ...] = (
     PiiDetector("es_dni", _DNI, _dni, 10, min_digits=8),
     PiiDetector("us_ssn", _SSN, _ssn, 11, min_digits=9),
     PiiDetector("uk_nino", _NINO, _nino, 13, min_digits=6),
-    PiiDetector("email", _EMAIL, _whole, None, min_digits=0, gate=_AT),
+    PiiDetector("email", _EMAIL, _whole, None, min_digits=0, gate="@"),
     PiiDetector("phone", _PHONE, _phone, 32, min_digits=_MIN_PHONE_DIGITS),
 )
 
@@ -304,12 +306,15 @@ def find_with(text: str, detectors: Sequence[PiiDetector]) -> list[PiiMatch]:
     """``find_pii`` over detectors already chosen (``detectors_named``): a stream checks every
     window with the same ones."""
     found: list[PiiMatch] = []
-    num_digits = len(_DIGIT.findall(text))
+    num_digits = len((_ASCII_DIGIT if text.isascii() else _DIGIT).findall(text))
     for detector in detectors:
-        if detector.min_digits > num_digits:
+        if detector.min_digits > num_digits or (
+            detector.gate is not None and detector.gate not in text
+        ):
             continue
         for match in detector.find(text):
             if not any(match.start < m.end and m.start < match.end for m in found):
                 found.append(match)
-    found.sort(key=lambda m: m.start)
+    if len(found) > 1:
+        found.sort(key=lambda m: m.start)
     return found

@@ -28,6 +28,7 @@ from typing import Any
 from core.moderation import Category
 from moderation.hits import Hit, TextResult, result_of
 from moderation.pii import DETECTORS, detectors_named, find_with
+from moderation.prefilter import anchors_regex, fold, pattern_anchor, term_anchor
 
 DEFAULT_RULES_PATH = Path(__file__).with_name("default_rules.json")
 """The rule set shipped with the package (package data)."""
@@ -185,6 +186,15 @@ def _term_regex(terms: Sequence[str]) -> re.Pattern[str]:
     return re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE)
 
 
+def _term_gate(terms: Sequence[str]) -> re.Pattern[str] | None:
+    """A scan of folded text that finds one word of every term, or ``None`` when some term
+    has no ASCII word to look for (then every text gets the full scan)."""
+    anchors = [term_anchor(t.lower().split()) for t in terms]
+    if not anchors or None in anchors:
+        return None
+    return anchors_regex(a for a in anchors if a is not None)
+
+
 class RulesProvider:
     """A :class:`~moderation.provider.ModerationProvider` over a :class:`RuleSet`.
 
@@ -200,14 +210,17 @@ class RulesProvider:
             (category, _term_regex(terms)) for category, terms in rules.terms.items() if terms
         ]
         # Most text matches no term: one scan with every term finds that, and only a text it
-        # matches pays for the per-category scans (which keep overlapping hits apart).
+        # matches pays for the per-category scans (which keep overlapping hits apart). Before
+        # it, a cheaper scan of the folded text for one word of each term (``prefilter``).
         everything = [t for terms in rules.terms.values() for t in terms]
         self._any_term = _term_regex(everything) if everything else None
+        self._term_gate = _term_gate(everything)
         self._patterns = [
-            (category, name, re.compile(regex, re.IGNORECASE))
+            (category, name, re.compile(regex, re.IGNORECASE), pattern_anchor(regex))
             for category, named in rules.patterns.items()
             for name, regex in named.items()
         ]
+        self._folds = self._term_gate is not None or any(p[3] for p in self._patterns)
         self._pii = detectors_named(rules.pii) if rules.pii else ()
         # Most checks find nothing (a stream is checked at every chunk): one shared, immutable
         # result for them instead of 14 fresh scores each time.
@@ -221,13 +234,20 @@ class RulesProvider:
     def check_text(self, text: str) -> TextResult:
         """Every hit in one text, with spans."""
         hits: list[Hit] = []
-        if self._any_term is not None and self._any_term.search(text) is not None:
+        folded = fold(text) if self._folds else text
+        if (
+            self._any_term is not None
+            and (self._term_gate is None or self._term_gate.search(folded) is not None)
+            and self._any_term.search(text) is not None
+        ):
             for category, regex in self._terms:
                 hits.extend(
                     Hit(category, self.name, m.start(), m.end(), 1.0, TERMS_DETECTOR)
                     for m in regex.finditer(text)
                 )
-        for category, name, regex in self._patterns:
+        for category, name, regex, anchor in self._patterns:
+            if anchor is not None and anchor not in folded:
+                continue
             hits.extend(
                 Hit(category, self.name, m.start(), m.end(), 1.0, name)
                 for m in regex.finditer(text)

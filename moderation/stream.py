@@ -80,6 +80,8 @@ class StreamModerator:
     def __init__(self, check: CheckFn, policy: StagePolicy, config: StreamConfig) -> None:
         self._check = check
         self._policy = policy
+        # StagePolicy is frozen: read its ``enabled`` (a scan of its actions) once, not per chunk.
+        self._enabled = policy.enabled
         self._config = config
         self._pending = ""
         self._pending_start = 0  # offset of pending[0] in the whole output
@@ -108,7 +110,7 @@ class StreamModerator:
         if self._blocked:
             return Release("", True)
         self._pending += text
-        if not self._policy.enabled:
+        if not self._enabled:
             return self._release_unchecked()
         releasable = len(self._pending) - self._config.window_chars
         if releasable < max(1, self._config.batch_chars):
@@ -121,7 +123,7 @@ class StreamModerator:
             return Release("", True)
         if not self._pending:
             return Release("", False)
-        if not self._policy.enabled:
+        if not self._enabled:
             return self._release_unchecked()
         return await self._release(final=True)
 
@@ -133,6 +135,10 @@ class StreamModerator:
         context, pending = self._context, self._pending
         hits = await self._check(context + pending)
         cut = len(pending) if final else len(pending) - self._config.window_chars
+        if not hits:  # the usual check: everything up to the window goes out as it is
+            released = pending[:cut]
+            self._advance(released, cut)
+            return Release(released, False)
         spans, whole = self._classify(hits, len(context))
 
         # A redaction the boundary cuts may still grow (an email whose domain is arriving):
@@ -203,7 +209,8 @@ class StreamModerator:
         self._pending_start += count
         # Hits starting before the context can never be seen again: forget them.
         horizon = self._pending_start - len(self._context)
-        self._seen = {key for key in self._seen if key[3] >= horizon}
+        if self._seen:
+            self._seen = {key for key in self._seen if key[3] >= horizon}
 
     def _record(self, hit: Hit, action: Action) -> None:
         self._decisions.append(
