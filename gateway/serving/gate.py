@@ -35,13 +35,11 @@ from core.request import Request
 from gateway.auth import Authenticator, Caller
 from gateway.metrics import GatewayMetrics
 from gateway.serving.deadlines import deadline_error
+from gateway.serving.hangup import ClientGone, HangUpCancels
 
 log = logging.getLogger("tandem.admission")
 
 T = TypeVar("T")
-
-ClientGone = Callable[[], Awaitable[None]]
-"""Returns once the client has hung up; never returns while it is connected."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,40 +199,20 @@ async def unless_client_leaves(
     """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
     queue entry leaves, an engine call is aborted) and ``ClientDisconnectedError`` raised. A
     result that ``work`` returns all the same (it finished as the hang-up came) goes to
-    ``discard``, since nobody will use it.
-
-    ``work`` runs in the caller's own task, which a watcher task cancels when the client hangs
-    up: a task of its own for ``work`` cost every request a hop through the event loop before
-    it even started (a tenth of a millisecond of TTFT at low load, more under load)."""
-    current = asyncio.current_task()
-    assert current is not None
-    watching = True
-    client_left = False
-
-    def on_gone(watcher: asyncio.Future[None]) -> None:
-        nonlocal client_left
-        # ``watching``: this callback may run after ``work`` returned (it was scheduled first).
-        if watching and not watcher.cancelled():
-            client_left = True
-            current.cancel()
-
-    watcher = asyncio.ensure_future(client_gone())
-    watcher.add_done_callback(on_gone)
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if client_left and current.uncancel() == 0:
-            raise ClientDisconnectedError(gone_message) from None
-        raise  # cancelled from elsewhere (the server stopping) too: that goes on up
-    except BaseException:
-        if client_left:  # ``work`` failed on its own as the hang-up came: that failure goes up
-            current.uncancel()
-        raise
-    finally:
-        watching = False
-        watcher.cancel()  # a cancelled wait for the hang-up consumes nothing
-    if client_left:  # ``work`` finished despite the cancel: the hang-up still wins
-        current.uncancel()
+    ``discard``, since nobody will use it. ``work`` runs in the caller's own task
+    (``HangUpCancels``)."""
+    with HangUpCancels(client_gone) as watch:
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if watch.absorb_hang_up():
+                raise ClientDisconnectedError(gone_message) from None
+            raise  # cancelled from elsewhere (the server stopping) too: that goes on up
+        except BaseException:
+            watch.absorb_hang_up()  # ``work`` failed on its own as the hang-up came: that goes up
+            raise
+    if watch.client_left:  # ``work`` finished despite the cancel: the hang-up still wins
+        watch.absorb_hang_up()
         if discard is not None:
             await discard(result)
         raise ClientDisconnectedError(gone_message)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import Protocol
 
 import orjson
@@ -29,6 +30,7 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from core.errors import TandemError
+from gateway.serving.hangup import HangUpCancels
 
 log = logging.getLogger("tandem.requests")
 
@@ -73,9 +75,9 @@ class EventStream(Response):
     """A ``text/event-stream`` response: each payload of ``events`` as one ``data:`` event,
     and a heartbeat every ``ping_interval_s`` (0: none) from a timer, not a task.
 
-    The handler's own task writes the events. One task per response waits for the client to
-    hang up and then cancels the handler, which ends ``events`` where it is suspended (the
-    request is aborted, as a client that leaves must see). ``on_close`` is awaited however the
+    The handler's own task writes the events. A hang-up cancels it (``HangUpCancels``: one
+    watcher task per response), which ends ``events`` where it is suspended (the request is
+    aborted, as a client that leaves must see). ``on_close`` is awaited however the
     response ends, even if the client left before the first event (then ``events`` never ran,
     so its own cleanup could not). ``heartbeat_first`` sends one heartbeat with the headers:
     a stream committed before its first token says at once that it is alive.
@@ -100,46 +102,37 @@ class EventStream(Response):
         self._on_close = on_close
         self._heartbeat_first = heartbeat_first
         self._streaming = False
-        self._client_left = False
         self._send: Send | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._pinging: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = asyncio.current_task()
-        assert handler is not None
         self._send = send
         self._streaming = True
-        watcher = asyncio.ensure_future(self._until_client_leaves(receive, handler))
+        watch = HangUpCancels(partial(_disconnected, receive))
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            if self._heartbeat_first:
-                await send(_body(HEARTBEAT))
-            self._arm_heartbeat()
-            async for payload in self._events:
-                await send(_body(frame(payload)))
+            with watch:
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                )
+                if self._heartbeat_first:
+                    await send(_body(HEARTBEAT))
+                self._arm_heartbeat()
+                async for payload in self._events:
+                    await send(_body(frame(payload)))
             await self._stop_streaming()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            # The client left (the watcher cancelled us): the response is over, not failed.
+            # The client left (the watch cancelled us): the response is over, not failed.
             # Any other cancellation (the server stopping) goes on up.
-            if not self._client_left or handler.uncancel() > 0:
+            if not watch.absorb_hang_up():
                 raise
         finally:
-            watcher.cancel()
             await self._stop_streaming()
             try:
                 await _aclose(self._events)
             finally:
                 await self._on_close()
-
-    async def _until_client_leaves(self, receive: Receive, handler: asyncio.Task[None]) -> None:
-        # The body was read before the response started: the next message is the disconnect.
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if self._streaming:
-            self._client_left = True
-            handler.cancel()
 
     def _arm_heartbeat(self) -> None:
         if self._ping_interval_s > 0 and self._streaming:
@@ -168,6 +161,13 @@ class EventStream(Response):
         if pinging is not None and not pinging.done():
             pinging.cancel()
             await asyncio.wait((pinging,))
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client hung up. The body was read before the response started: the
+    next message is the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _body(chunk: bytes) -> Message:

@@ -1,0 +1,94 @@
+"""``HangUpCancels``: a hang-up cancels the task that entered the watch, only while it is
+entered, and only a cancel the hang-up alone requested is absorbed. Its two users are tested
+through their own behaviour: ``test_unless_client_leaves.py`` (admission) and the streaming
+tests (``EventStream``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.serving.hangup import HangUpCancels
+
+
+class Client:
+    """A client that hangs up when told to."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+
+    async def gone(self) -> None:
+        await self.left.wait()
+
+
+def _task() -> asyncio.Task[object]:
+    task = asyncio.current_task()
+    assert task is not None
+    return task
+
+
+async def test_a_hang_up_cancels_the_task_where_it_waits_and_is_absorbed() -> None:
+    client = Client()
+    asyncio.get_running_loop().call_later(0.01, client.left.set)
+    with HangUpCancels(client.gone) as watch, pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(5)
+    assert watch.client_left
+    assert watch.absorb_hang_up()
+    assert _task().cancelling() == 0
+
+
+async def test_a_hang_up_after_the_watch_ended_cancels_nothing() -> None:
+    client = Client()
+    with HangUpCancels(client.gone) as watch:
+        await asyncio.sleep(0)
+    client.left.set()
+    await asyncio.sleep(0.01)  # a cancel, had one been sent, would land here
+    assert not watch.client_left
+    assert not watch.absorb_hang_up()
+    assert _task().cancelling() == 0
+
+
+async def test_another_cancel_of_the_task_is_not_absorbed() -> None:
+    client = Client()
+    task = _task()
+    with HangUpCancels(client.gone) as watch:
+        client.left.set()
+        await asyncio.sleep(0)  # the watcher sees the hang-up
+        task.cancel()  # and the server stops the request too
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(5)
+    assert watch.client_left
+    assert not watch.absorb_hang_up()  # the server's cancel still goes on up
+    assert task.uncancel() == 0
+
+
+async def test_a_watch_that_fails_leaves_the_task_alone() -> None:
+    async def broken() -> None:
+        raise OSError("the connection's receive failed")
+
+    with HangUpCancels(broken) as watch:
+        await asyncio.sleep(0.01)  # the failed watch must not cancel this wait
+    assert not watch.client_left
+    assert _task().cancelling() == 0
+
+
+async def test_entering_outside_a_task_is_refused() -> None:
+    watch = HangUpCancels(Client().gone)
+
+    def enter() -> None:
+        with watch:
+            pass
+
+    # A plain callback runs outside any task: there is nothing to cancel.
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[BaseException] = loop.create_future()
+
+    def call() -> None:
+        try:
+            enter()
+        except RuntimeError as exc:
+            failed.set_result(exc)
+
+    loop.call_soon(call)
+    assert "from a task" in str(await failed)
