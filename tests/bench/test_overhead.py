@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from bench.harness.runner import execute
 from bench.harness.summary import Slos, summarize
 from bench.harness.workload import Api, Target, TenantSpec
 from bench.overhead.cli import main
-from bench.overhead.fake_http import serve
 from bench.overhead.fake_vllm import FakeVllm, Timing
 from bench.overhead.load import (
     LoadSpec,
@@ -73,16 +72,7 @@ CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "three words here"}]
 
 
-# --- the fake engine, in this process ---------------------------------------------------------
-@pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
-    engine = FakeVllm(MODEL, Timing(num_tokens=4, itl_s=0.002))
-    server = await serve(engine.handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield engine, f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
+# --- the fake engine, in this process (the ``fake`` fixture, tests/bench/conftest.py) ----------
 
 
 async def events(url: str, body: dict[str, Any]) -> list[Any]:

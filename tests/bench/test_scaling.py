@@ -4,16 +4,14 @@ generator counts, against the fake engine in this process."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
-from bench.overhead.fake_http import serve
-from bench.overhead.fake_vllm import FakeVllm, Timing
+from bench.overhead.fake_vllm import FakeVllm
 from bench.overhead.scaling import Layout
 from bench.overhead.scaling_load import LoadArgs, run
 
-MODEL = "fake-model"
+MODEL = "fake-model"  # the ``fake`` fixture's (tests/bench/conftest.py)
 TOKENS = 4
 
 
@@ -40,21 +38,11 @@ def test_layout_refuses_a_machine_too_small_naming_the_way_out(
     assert unpinned.gateway == [None, None] and unpinned.rest is None
 
 
-@pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
-    engine = FakeVllm(MODEL, Timing(num_tokens=TOKENS, itl_s=0.002))
-    server = await serve(engine.handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield engine, f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-
-
 async def test_a_generator_counts_the_streams_that_end_inside_its_window(
     fake: tuple[FakeVllm, str],
 ) -> None:
     engine, url = fake
+    assert engine.timing.num_tokens == TOKENS
     args = LoadArgs(
         url=url, api_key=None, model=MODEL, concurrency=3, start_at=time.time(),
         warmup_s=0.3, duration_s=0.7, tokens=TOKENS, prompt_words=5, stagger_s=0.01,
