@@ -173,7 +173,7 @@ def measure(
     completed = sum(r["completed"] for r in reports)
     errors: dict[str, int] = {}
     for report in reports:
-        for kind, count in (report["errors"] or {}).items():
+        for kind, count in report["errors"].items():
             errors[kind] = errors.get(kind, 0) + count
     return ScalingRow(
         processes=processes,

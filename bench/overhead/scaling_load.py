@@ -21,7 +21,7 @@ import random
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import aiohttp
 import orjson
@@ -45,7 +45,8 @@ class LoadReport:
     window_s: float = 0.0
     generator_cpu_s: float = 0.0
     """This process's CPU seconds inside the window."""
-    errors: dict[str, int] | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    """Failed requests by kind (``http_<status>``, ``error_event``, the exception's name)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,7 @@ async def _one(
 
 
 async def run(args: LoadArgs) -> LoadReport:
-    report = LoadReport(errors={})
+    report = LoadReport()
     window_start = args.start_at + args.warmup_s
     window_end = window_start + args.duration_s
     headers = {"Content-Type": "application/json"}
@@ -124,7 +125,6 @@ async def run(args: LoadArgs) -> LoadReport:
                 report.chunks += chunks
             else:
                 report.failed += 1
-                assert report.errors is not None
                 report.errors[error] = report.errors.get(error, 0) + 1
 
     async def mark_window() -> None:

@@ -67,4 +67,4 @@ async def test_a_generator_counts_refusals_as_failures_by_kind(
     )  # fmt: skip
     report = await run(args)
     assert report.completed == 0 and report.failed > 0
-    assert report.errors is not None and set(report.errors) == {"http_404"}
+    assert set(report.errors) == {"http_404"}
