@@ -37,7 +37,6 @@ from typing import Any
 
 import httpx
 from pydantic import SecretStr
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stack import Stack, spool_dir
@@ -164,24 +163,11 @@ def _plain(value: object) -> object:
     raise TypeError(f"{type(value).__name__} does not cross to a gateway process")
 
 
-class ProcessHeader:
-    """ASGI middleware: every HTTP response names the gateway process that answered."""
-
-    def __init__(self, app: ASGIApp, index: int) -> None:
-        self.app = app
-        self._header = (PROCESS_HEADER.encode(), str(index).encode())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_named(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._header]}
-            await send(message)
-
-        await self.app(scope, receive, send_named)
+def process_headers(index: int) -> list[tuple[str, str]]:
+    """uvicorn's default headers for gateway process ``index`` (``uvicorn.Config(headers=...)``):
+    every HTTP response names the process that answered. uvicorn adds them as it starts each
+    response; a middleware that did it wrapped every message of every stream."""
+    return [(PROCESS_HEADER, str(index))]
 
 
 @dataclass(slots=True)

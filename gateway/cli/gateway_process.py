@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from gateway.assembly.gateway_processes import Handoff, ProcessHeader
+from gateway.assembly.gateway_processes import Handoff, process_headers
 from gateway.assembly.settings import TandemSettings
 from gateway.assembly.stack import Stack, request_limits
 from gateway.catalog import DeploymentSpec
@@ -67,13 +67,14 @@ async def _serve(handoff: Handoff, sockets: list[socket.socket], log_level: str)
     stack.num_processes = settings.gateway_workers or 2  # the primary always sets it
     server = Server(
         uvicorn.Config(
-            ProcessHeader(stack.app(), handoff.index),
+            stack.app(),
             log_level=log_level,
             http=limited_httptools(request_limits(settings)),
             lifespan="on",
             timeout_graceful_shutdown=settings.shutdown_grace_s,
             access_log=settings.access_log,
             proxy_headers=False,  # clients are resolved by gateway/client_address.py alone
+            headers=process_headers(handoff.index),
         )
     )
     loop = asyncio.get_running_loop()

@@ -39,12 +39,12 @@ from gateway.assembly.gateway_processes import (
     Cover,
     GatewayProcessError,
     GatewayProcesses,
-    ProcessHeader,
     adopt_orphan_spools,
     default_gateway_workers,
     handoffs,
     listening_socket,
     own_socket,
+    process_headers,
     write_process_list,
 )
 from gateway.assembly.redis_server import OwnedRedis, RedisServerError
@@ -257,7 +257,6 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
         sockets: list[socket.socket] | None = None
         if stack.num_processes > 1:
             adopt_orphan_spools(settings.state_dir, stack.num_processes)
-            app = ProcessHeader(app, 0)
             sockets = [_shared_socket(settings), own_socket(settings, 0)]
             primary_own = sockets[1]
             processes = GatewayProcesses(
@@ -285,6 +284,7 @@ async def _up(settings: TandemSettings, log_level: str = "info") -> int:
                 timeout_graceful_shutdown=settings.shutdown_grace_s,
                 access_log=settings.access_log,
                 proxy_headers=False,  # clients are resolved by gateway/client_address.py alone
+                headers=process_headers(0) if processes is not None else None,
             )
         )
         _print_up(settings, stack)
