@@ -135,7 +135,8 @@ def _spent(
     return after[0] - before[0], after[1] - before[1]
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
+    """This process's user and system CPU seconds so far (a load generator's own cost)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -167,7 +168,7 @@ async def run_level(
         num_measured, spec, tenant, warmup=False, first_index=num_warmup,
         offsets=staggered_offsets(num_measured, concurrency, stream_s),
     )  # fmt: skip
-    cores0, wall0, generator0 = _core_times(), time.perf_counter(), _own_cpu_s()
+    cores0, wall0, generator0 = _core_times(), time.perf_counter(), own_cpu_s()
     server0 = server_cpu() if server_cpu else None
     engine0 = engine_cpu() if engine_cpu else None
     peak = _PeakRss(server_rss) if server_rss else None
@@ -178,7 +179,7 @@ async def run_level(
             await peak.stop()
     server1 = server_cpu() if server_cpu else None
     engine1 = engine_cpu() if engine_cpu else None
-    wall, generator = time.perf_counter() - wall0, _own_cpu_s() - generator0
+    wall, generator = time.perf_counter() - wall0, own_cpu_s() - generator0
     server_s = _spent(server0, server1)
     cpu = CpuWindow(
         server_s=None if server_s is None else sum(server_s),

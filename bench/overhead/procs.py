@@ -78,17 +78,23 @@ class Server:
             return "(no log)"
 
 
-def process_tree_cpu_times(pid: int, *, children: bool = True) -> tuple[float, float]:
+def process_tree_cpu_times(
+    pid: int, *, children: bool = True, named: str | None = None
+) -> tuple[float, float]:
     """User and system CPU seconds of ``pid`` and (unless ``children`` is false) its live
-    descendants (0 for gone ones)."""
+    descendants (0 for gone ones); with ``named``, only the descendants whose process name
+    holds it (``"redis-server"``: the Redis a ``tandem up`` started)."""
     user = system = 0.0
     try:
         root = psutil.Process(pid)
-        processes = [root, *(root.children(recursive=True) if children else ())]
+        descendants = root.children(recursive=True) if children or named else []
     except psutil.NoSuchProcess:
         return 0.0, 0.0
+    processes = [root, *descendants] if named is None else descendants
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
+            if named is not None and named not in process.name():
+                continue
             times = process.cpu_times()
             user, system = user + times.user, system + times.system
     return user, system

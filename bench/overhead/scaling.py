@@ -19,7 +19,6 @@ machine, not the scaling.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -32,10 +31,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
 from bench.overhead.fake_vllm import Timing
-from bench.overhead.procs import Server, spawn, start_fake_engine
+from bench.overhead.procs import Server, process_tree_cpu_times, spawn, start_fake_engine
 from bench.overhead.servers import TandemSetup, start_tandem
 
 MODEL = "fake-model"
@@ -103,14 +100,7 @@ def _cpu_s(servers: Sequence[Server]) -> list[float]:
 def redis_cpu_s(gateway: Server) -> float:
     """CPU seconds so far of the ``redis-server`` the gateway's ``tandem up`` started (0 when
     it started none): the share of the gateway's cores the shared stores take themselves."""
-    total = 0.0
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(gateway.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if "redis-server" in child.name():
-                    times = child.cpu_times()
-                    total += times.user + times.system
-    return total
+    return sum(process_tree_cpu_times(gateway.pid, named="redis-server"))
 
 
 def measure(

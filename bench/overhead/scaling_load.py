@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ import aiohttp
 import orjson
 import uvloop
 
-from bench.overhead.load import prompt_text
+from bench.overhead.load import own_cpu_s, prompt_text
 
 DONE = b"data: [DONE]"
 
@@ -61,11 +60,6 @@ class LoadArgs:
     tokens: int
     prompt_words: int
     stagger_s: float
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 async def _one(
@@ -129,7 +123,7 @@ async def run(args: LoadArgs) -> LoadReport:
 
     async def mark_window() -> None:
         await asyncio.sleep(max(0.0, window_start - time.time()))
-        cpu_at_start.append(_own_cpu_s())
+        cpu_at_start.append(own_cpu_s())
 
     await asyncio.sleep(max(0.0, args.start_at - time.time()))
     connector = aiohttp.TCPConnector(limit=0)
@@ -139,7 +133,7 @@ async def run(args: LoadArgs) -> LoadReport:
         await asyncio.gather(*(client(slot, session) for slot in range(args.concurrency)))
         await marker
     report.window_s = args.duration_s
-    report.generator_cpu_s = _own_cpu_s() - (cpu_at_start[0] if cpu_at_start else 0.0)
+    report.generator_cpu_s = own_cpu_s() - (cpu_at_start[0] if cpu_at_start else 0.0)
     return report
 
 

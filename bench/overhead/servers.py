@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,17 +138,21 @@ def start_tandem(
     cores: frozenset[int] | None,
     traces_endpoint: str | None = None,
     more_decode_urls: Sequence[str] = (),
+    entry: str = "gateway.cli",
+    extra_env: Mapping[str, str] | None = None,
 ) -> tuple[Server, str | None]:
     """The gateway over the given workers (``more_decode_urls``: decode workers beside
     ``decode_url``), ready; and the API key to call it with. A traced setup sends its spans to
-    ``traces_endpoint``."""
+    ``traces_endpoint``. ``entry`` is the module run as ``python -m <entry> up ...`` (another
+    one wraps ``tandem up``, as ``bench.overhead.ttft_marks`` does), with ``extra_env`` over
+    the gateway's environment."""
     name = setup.label
     state_dir = work_dir / name
     state_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = tandem_env(setup, model, state_dir, traces_endpoint)
+    env = {**tandem_env(setup, model, state_dir, traces_endpoint), **(extra_env or {})}
     argv = [
-        sys.executable, "-m", "gateway.cli", "up", "--prefill-url", prefill_url,
+        sys.executable, "-m", entry, "up", "--prefill-url", prefill_url,
         "--decode-url", decode_url, "--port", str(port),
         "--gateway-workers", str(setup.gateway_workers),
     ]  # fmt: skip

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench.overhead.fake_vllm import Timing
-from bench.overhead.procs import free_port, start_fake_engine, start_python_server
-from bench.overhead.servers import TandemSetup, create_tenant_key, tandem_env
+from bench.overhead.procs import start_fake_engine
+from bench.overhead.servers import TandemSetup, start_tandem
 from bench.overhead.ttft_marks import MARKS_ENV, STEPS
 
 MODEL = "fake-model"
@@ -52,19 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     marks = work_dir / "marks.json"
     engine = start_fake_engine("fake", Timing(num_tokens=8, itl_s=0.02), MODEL, work_dir, None)
     try:
-        port = free_port()
-        env = {**tandem_env(TandemSetup(two_legs=False), MODEL, work_dir / "state"),
-               MARKS_ENV: str(marks)}  # fmt: skip
-        argv_up = [
-            sys.executable, "-m", "bench.overhead.ttft_marks", "up", "--prefill-url", engine.url,
-            "--decode-url", engine.url, "--port", str(port), "--gateway-workers", "1",
-        ]  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        gateway = start_python_server("tandem-marked", argv_up, url, "/ready", work_dir, None, env)
+        gateway, key = start_tandem(
+            TandemSetup(two_legs=False), engine.url, engine.url, MODEL, work_dir, None,
+            entry="bench.overhead.ttft_marks", extra_env={MARKS_ENV: str(marks)},
+        )  # fmt: skip
         try:
-            key = create_tenant_key(url, "bench")
+            assert key is not None  # the setup has auth on
             load = [
-                sys.executable, "-m", "bench.overhead.scaling_load", "--url", url,
+                sys.executable, "-m", "bench.overhead.scaling_load", "--url", gateway.url,
                 "--api-key", key, "--model", MODEL, "--concurrency", "1",
                 "--start-at", str(time.time()), "--warmup-s", "0",
                 "--duration-s", str(args.duration_s), "--tokens", "8", "--stagger-s", "0",
