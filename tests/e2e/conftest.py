@@ -275,6 +275,26 @@ def _tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
 
 
+_NOTABLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed e2e test's report carries the stack's last warnings and errors: CI keeps only
+    pytest's output, and the stack's working directory goes with the machine."""
+    report = yield
+    stack = getattr(item, "funcargs", {}).get("live_stack")
+    if report.failed and isinstance(stack, LiveStack) and stack.log_dir is not None:
+        log_path = stack.log_dir.parent / "tandem-up.log"
+        if log_path.exists():
+            lines = log_path.read_text(errors="replace").splitlines()
+            notable = [line for line in lines if _NOTABLE.search(line)][-60:]
+            report.sections.append(
+                (f"tandem up's last warnings and errors ({log_path})", "\n".join(notable))
+            )
+    return report
+
+
 @pytest.fixture(scope="session")
 def client(live_stack: LiveStack) -> openai.OpenAI:
     # max_retries=0: a test must see the first answer, not a retried one.

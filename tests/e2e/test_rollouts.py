@@ -174,7 +174,7 @@ def finished(live_stack: LiveStack, rollout_id: str, timeout_s: float = 240) -> 
             shown = admin.get(f"/admin/v1/rollouts/{rollout_id}").json()
             if shown["status"] not in ("running", "paused") and shown["report"]:
                 return dict(shown)
-            assert shown["status"] != "paused", shown["paused_reason"]
+            assert shown["status"] != "paused", (shown["paused_reason"], shown["decisions"][-3:])
             assert time.monotonic() < deadline, shown["decisions"][-3:]
             time.sleep(0.5)
 
