@@ -97,6 +97,11 @@ class StreamModerator:
         return tuple(self._decisions)
 
     @property
+    def num_decisions(self) -> int:
+        """``len(decisions)``, without the copy (read at every chunk)."""
+        return len(self._decisions)
+
+    @property
     def blocked(self) -> bool:
         """True once a BLOCK ended the choice; later feeds release nothing."""
         return self._blocked

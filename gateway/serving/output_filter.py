@@ -102,9 +102,9 @@ class OutputFilter:
         return moderator
 
     def _record(self, index: int, moderator: StreamModerator) -> None:
-        decisions = moderator.decisions
         seen = self._num_recorded.get(index, 0)
-        if len(decisions) > seen:
+        if moderator.num_decisions > seen:
+            decisions = moderator.decisions
             self._on_decisions(list(decisions[seen:]))
             self._num_recorded[index] = len(decisions)
 

@@ -136,6 +136,21 @@ async def test_output_stream_uses_the_policy_providers() -> None:
     assert [d.stage for d in stream.decisions] == [Stage.OUTPUT]
 
 
+async def test_output_stream_with_two_providers_acts_on_the_hits_of_both() -> None:
+    flagger = FakeProvider("flagger", [(Category.HARASSMENT, 0.9)])
+    mod = Moderator({"rules": RULES, "flagger": flagger}, StreamConfig())
+    stream = mod.output_stream(stage("rules", "flagger", pii=Action.REDACT, harassment=Action.FLAG))
+    released = await stream.feed("write to a@example.com " + "and more words " * 5)
+    rest = await stream.finish()
+    assert (released.text + rest.text).startswith("write to [REDACTED:email] and more")
+    assert not stream.blocked
+    assert stream.num_decisions == len(stream.decisions) == 2
+    assert {(d.provider, d.category, d.action) for d in stream.decisions} == {
+        ("rules", Category.PII, Action.REDACT),
+        ("flagger", Category.HARASSMENT, Action.FLAG),
+    }
+
+
 def test_check_policy_names_the_unknown_provider() -> None:
     mod = Moderator({"rules": RULES}, StreamConfig())
     mod.check_policy(ModerationPolicy(input=stage("rules")))
