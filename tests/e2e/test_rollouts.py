@@ -155,6 +155,10 @@ def start(live_stack: LiveStack, candidate: str, **spec: Any) -> str:
         "baseline": live_stack.version,
         "candidate": candidate,
         "interval_s": 2.0,
+        # The default 5 failed rounds in a row span 2.5 minutes at the default 30 s interval,
+        # about 10 s at 2 s: CI paused here once on "the quality check failed to run 5 times
+        # in a row" (its errors were not kept; ``finished`` now shows them). 15: about 30 s.
+        "error_limit": 15,
         "grace_s": 1.0,
         "drain_baseline": False,
         "quality": QUICK_QUALITY,
