@@ -116,8 +116,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="runs per figure (median shown)")
     parser.add_argument("--answers", type=int, default=200, help="answers streamed per run")
+    parser.add_argument(
+        "--batch-chars",
+        type=int,
+        default=0,
+        help="StreamConfig.batch_chars (TANDEM_MODERATION_BATCH_CHARS): check once this many "
+        "characters can go out; 0 checks at every chunk",
+    )
     args = parser.parse_args()
-    config = StreamConfig()
+    config = StreamConfig(batch_chars=args.batch_chars)
     provider = RulesProvider(load_rules(None))
     moderator = Moderator({"rules": provider}, config)
     print(f"{'text':<12} {'checks':>6} {'check_text us':>22} {'per chunk us':>22}")

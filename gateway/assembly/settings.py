@@ -347,6 +347,10 @@ class TandemSettings(BaseSettings):
     moderation_window_chars: int = Field(48, ge=1)
     """Output characters held back while streaming so a term split across chunks is caught;
     at least the longest rule. Each stream's first text is delayed by about this much."""
+    moderation_batch_chars: int = Field(0, ge=0)
+    """0: a moderated stream is checked at every chunk. N > 0: only once N characters can be
+    released, so text goes out in bursts of at least N and the checks (a remote provider's
+    calls) are about N / (characters per chunk) times fewer."""
 
     @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
     @classmethod

@@ -329,6 +329,7 @@ def moderation_setup(settings: TandemSettings) -> ModerationSetup:
         stream=StreamConfig(
             window_chars=settings.moderation_window_chars,
             overlap_chars=settings.moderation_window_chars,
+            batch_chars=settings.moderation_batch_chars,
         ),
     )
 

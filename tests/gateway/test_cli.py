@@ -4,12 +4,14 @@ import socket
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.assembly.settings import TandemSettings
-from gateway.assembly.stack import Stack
+from gateway.assembly.stack import Stack, moderation_setup
 from gateway.assembly.supervisor import connector_config, port_is_free
 from gateway.cli.main import _parser, _settings_from_args, main
 from kv_transfer.connector import connector_env
+from moderation.stream import StreamConfig
 from tests.fakes.model_folder import fake_version
 from workers.process import worker_argv
 
@@ -53,6 +55,18 @@ def test_ucx_transports_reach_every_worker_and_a_useless_list_is_refused(
     # Shared memory alone: NIXL cannot start.
     monkeypatch.setenv("TANDEM_UCX_TRANSPORTS", "posix,sysv")
     with pytest.raises(ValueError, match="add 'tcp'"):
+        TandemSettings()
+
+
+def test_moderation_window_and_batch_reach_the_stream_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert moderation_setup(TandemSettings()).stream == StreamConfig(48, 48, 0)
+    monkeypatch.setenv("TANDEM_MODERATION_WINDOW_CHARS", "64")
+    monkeypatch.setenv("TANDEM_MODERATION_BATCH_CHARS", "16")
+    assert moderation_setup(TandemSettings()).stream == StreamConfig(64, 64, 16)
+    monkeypatch.setenv("TANDEM_MODERATION_BATCH_CHARS", "-1")
+    with pytest.raises(ValidationError, match="moderation_batch_chars"):
         TandemSettings()
 
 
