@@ -120,19 +120,19 @@ class Moderator:
     def output_stream(self, policy: StagePolicy) -> StreamModerator:
         """A moderator for one streamed choice under an output-stage policy."""
         providers = self._pick(policy.providers)
-
-        async def check(text: str) -> list[Hit]:
-            results = await _run_all(providers, [text])
-            return [hit for result in results for hit in result[0].hits]
-
         if len(providers) == 1:  # the usual policy: checked at every chunk, so no extra layers
             provider = providers[0]
 
-            async def check_one(text: str) -> list[Hit]:
+            async def check(text: str) -> list[Hit]:
                 [result] = _checked(provider, (text,), await provider.check((text,)))
                 return list(result.hits)
 
-            return StreamModerator(check_one, policy, self._stream_config)
+        else:
+
+            async def check(text: str) -> list[Hit]:
+                results = await _run_all(providers, [text])
+                return [hit for result in results for hit in result[0].hits]
+
         return StreamModerator(check, policy, self._stream_config)
 
     async def classify(self, texts: Sequence[str], providers: Sequence[str]) -> list[TextResult]:

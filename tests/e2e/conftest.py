@@ -279,7 +279,7 @@ _NOTABLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+def pytest_runtest_makereport(item: pytest.Item) -> Any:
     """A failed e2e test's report carries the stack's last warnings and errors: CI keeps only
     pytest's output, and the stack's working directory goes with the machine."""
     report = yield
