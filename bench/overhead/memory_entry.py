@@ -1,0 +1,59 @@
+"""``tandem up`` with tracemalloc on, for ``bench.overhead.memory_sites``.
+
+``python -m bench.overhead.memory_entry up ...`` starts tracemalloc (``FRAMES`` frames a
+block) before the gateway imports anything of its own, then runs ``tandem up``. Each SIGUSR1
+dumps two snapshots: ``<$TANDEM_MEMORY_SNAPSHOTS>.<n>`` as the heap is (n = 0, 1, ...), then
+``<...>.<n>.collected`` after a full collection (what is left is what something still
+references). Not for serving: tracemalloc makes every allocation several times dearer.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import tracemalloc
+from collections.abc import Callable
+from types import FrameType
+
+SNAPSHOTS_ENV = "TANDEM_MEMORY_SNAPSHOTS"
+FRAMES = 8
+"""Deep enough to reach from a library's allocation to the Tandem call that asked for it."""
+
+
+def _dumper(prefix: str) -> Callable[[int, FrameType | None], None]:
+    taken = 0
+
+    def dump(_signum: int, _frame: FrameType | None) -> None:
+        nonlocal taken
+        path = f"{prefix}.{taken}"
+        _dump(f"{path}.collected.part", collect=False)
+        os.replace(f"{path}.collected.part", path)
+        _dump(f"{path}.collected.part", collect=True)
+        # Whole or absent, for the reader polling for it: it reads both once this one is there.
+        os.replace(f"{path}.collected.part", f"{path}.collected")
+        taken += 1
+
+    return dump
+
+
+def _dump(path: str, *, collect: bool) -> None:
+    if collect:
+        gc.collect()
+    tracemalloc.take_snapshot().dump(path)
+
+
+def main() -> int:
+    prefix = os.environ.get(SNAPSHOTS_ENV)
+    if not prefix:
+        raise SystemExit(f"{SNAPSHOTS_ENV} names the files the snapshots go to")
+    tracemalloc.start(FRAMES)
+    signal.signal(signal.SIGUSR1, _dumper(prefix))
+    from gateway.cli.main import main as tandem_main
+
+    return tandem_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
