@@ -1,6 +1,6 @@
 """Where a gateway's memory per open stream goes: tracemalloc's growth under load, by site.
 
-``python -m bench.overhead.memory_sites [--concurrency 128] [--duration-s 12] [--top 20]``
+``python -m bench.overhead.memory_sites [--concurrency 16] [--duration-s 12] [--top 20]``
 starts the fake engine and ``tandem up`` (colocated; auth, quotas, fair queue and billing on)
 under tracemalloc (``memory_entry.py``). It runs the load once to warm every cache, takes a
 snapshot idle, then one while ``--concurrency`` clients stream, and prints the growth between
@@ -9,9 +9,9 @@ leaves (still referenced) and what it frees (cyclic garbage awaiting the collect
 package that allocated, and by allocation site, each with the nearest Tandem frame that asked
 for it.
 
-Python objects only: what C code allocates with malloc itself (uvloop's and aiohttp's
-parsers, the kernel's socket buffers) and the allocator's slack are in the RSS that
-``python -m bench.overhead`` reports, not here. tracemalloc slows the gateway several times,
+Python objects only: what C code allocates with malloc itself (libuv's handles, the HTTP
+parsers' state) and the allocator's slack are in the RSS that ``python -m bench.overhead``
+reports, not here. tracemalloc slows the gateway several times,
 so more events wait in its buffers than without it: read the shares, not the exact bytes.
 """
 
@@ -159,8 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--concurrency",
         type=int,
-        default=128,
-        help="clients (under tracemalloc one core keeps up with about 128 on a 2-core host)",
+        default=16,
+        help="clients (under tracemalloc one core of a 2-core host keeps up with about 16: "
+        "at 128 clients it held 23 connections open)",
     )
     parser.add_argument("--duration-s", type=float, default=12.0)
     parser.add_argument("--top", type=int, default=20, help="allocation sites shown")
@@ -201,13 +202,13 @@ def main(argv: list[str] | None = None) -> None:
         f"clients), per connection: {_total(held) / per:.1f} KiB still referenced after a full "
         f"collection, {_total(garbage) / per:.1f} KiB more awaiting the collector"
     )
-    print(f"\n{'package':28} {'KiB/stream':>10}  (still referenced)")
+    print(f"\n{'package':28} {'KiB/conn':>10}  (still referenced)")
     for package, size in by_package(held):
         if size / per >= 0.05:
             print(f"{package:28} {size / per:>10.2f}")
     for title, sites in (("still referenced", held), ("awaiting the collector", garbage)):
         print(
-            f"\n{'KiB/stream':>10} {'blocks':>7}  {'allocated at (' + title + ')':56} Tandem caller"
+            f"\n{'KiB/conn':>10} {'blocks':>7}  {'allocated at (' + title + ')':56} Tandem caller"
         )
         for site in sites[: args.top]:
             print(
