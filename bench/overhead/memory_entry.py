@@ -28,20 +28,15 @@ def _dumper(prefix: str) -> Callable[[int, FrameType | None], None]:
     def dump(_signum: int, _frame: FrameType | None) -> None:
         nonlocal taken
         path = f"{prefix}.{taken}"
-        _dump(f"{path}.collected.part", collect=False)
-        os.replace(f"{path}.collected.part", path)
-        _dump(f"{path}.collected.part", collect=True)
-        # Whole or absent, for the reader polling for it: it reads both once this one is there.
-        os.replace(f"{path}.collected.part", f"{path}.collected")
+        for target, collect in ((path, False), (f"{path}.collected", True)):
+            if collect:
+                gc.collect()
+            tracemalloc.take_snapshot().dump(f"{target}.part")
+            # Whole or absent: the reader polls for the second and then reads both.
+            os.replace(f"{target}.part", target)
         taken += 1
 
     return dump
-
-
-def _dump(path: str, *, collect: bool) -> None:
-    if collect:
-        gc.collect()
-    tracemalloc.take_snapshot().dump(path)
 
 
 def main() -> int:

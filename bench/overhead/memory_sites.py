@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -36,8 +34,8 @@ import psutil
 
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.memory_entry import SNAPSHOTS_ENV
-from bench.overhead.procs import start_fake_engine
-from bench.overhead.servers import TandemSetup, start_tandem
+from bench.overhead.scaling_load import LoadArgs
+from bench.overhead.servers import wrapped_tandem_over_fake
 
 MODEL = "fake-model"
 REPO = Path(__file__).resolve().parents[2]
@@ -138,12 +136,8 @@ def _snapshots(
 
 
 def _load(url: str, key: str, concurrency: int, duration_s: float) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable, "-m", "bench.overhead.scaling_load", "--url", url, "--api-key", key,
-        "--model", MODEL, "--concurrency", str(concurrency), "--start-at", str(time.time()),
-        "--warmup-s", "0", "--duration-s", str(duration_s), "--stagger-s", "1",
-    ]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    load = LoadArgs(url, key, MODEL, concurrency, time.time(), warmup_s=0, duration_s=duration_s)
+    return subprocess.Popen(load.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _finish(load: subprocess.Popen[bytes]) -> str:
@@ -166,16 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=12.0)
     parser.add_argument("--top", type=int, default=20, help="allocation sites shown")
     args = parser.parse_args(argv)
-    work_dir = Path(tempfile.mkdtemp(prefix="tandem-memory-sites-"))
-    prefix = work_dir / "snapshot"
-    engine = start_fake_engine("fake", Timing(), MODEL, work_dir, None)
-    try:
-        gateway, key = start_tandem(
-            TandemSetup(two_legs=False), engine.url, engine.url, MODEL, work_dir, None,
-            entry="bench.overhead.memory_entry", extra_env={SNAPSHOTS_ENV: str(prefix)},
-        )  # fmt: skip
-        try:
-            assert key is not None  # the setup has auth on
+    with tempfile.TemporaryDirectory(prefix="tandem-memory-sites-") as tmp:
+        prefix = Path(tmp) / "snapshot"
+        with wrapped_tandem_over_fake(
+            Path(tmp), Timing(), MODEL, "bench.overhead.memory_entry", {SNAPSHOTS_ENV: str(prefix)}
+        ) as (gateway, key):
             _finish(_load(gateway.url, key, args.concurrency, 5.0))  # every cache warm
             time.sleep(2.0)
             _, idle = _snapshots(gateway.pid, Path(f"{prefix}.0"))
@@ -186,11 +175,6 @@ def main(argv: list[str] | None = None) -> None:
             streams = open_connections(gateway.pid, port)
             loaded, loaded_collected = _snapshots(gateway.pid, Path(f"{prefix}.1"))
             report = _finish(load)
-        finally:
-            gateway.stop()
-    finally:
-        engine.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
     if streams < 1:
         raise RuntimeError("no stream was open when the loaded snapshot was taken")
     per = 1024 * streams

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.procs import Server, process_tree_cpu_times, spawn, start_fake_engine
+from bench.overhead.scaling_load import LoadArgs
 from bench.overhead.servers import TandemSetup, start_tandem
 
 MODEL = "fake-model"
@@ -132,13 +133,13 @@ def measure(
         shares = [concurrency // args.generators] * args.generators
         shares[0] += concurrency - sum(shares)
         for index, (share, cores) in enumerate(zip(shares, layout.generators, strict=True)):
-            argv = [
-                sys.executable, "-m", "bench.overhead.scaling_load", "--url", gateway.url,
-                "--model", MODEL, "--concurrency", str(share), "--start-at", str(start_at),
-                "--warmup-s", str(args.warmup_s), "--duration-s", str(args.duration_s),
-                "--tokens", str(args.tokens),
-            ] + (["--api-key", api_key] if api_key else [])  # fmt: skip
-            process, _ = spawn(f"load-{processes}-{index}", argv, work_dir, cores, stdout_pipe=True)
+            load = LoadArgs(
+                gateway.url, api_key, MODEL, share, start_at, warmup_s=args.warmup_s,
+                duration_s=args.duration_s, tokens=args.tokens,
+            )  # fmt: skip
+            process, _ = spawn(
+                f"load-{processes}-{index}", load.command(), work_dir, cores, stdout_pipe=True
+            )
             generators.append(process)
         window_start = start_at + args.warmup_s
         time.sleep(max(0.0, window_start - time.time()))

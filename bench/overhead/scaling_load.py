@@ -20,7 +20,7 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import aiohttp
 import orjson
@@ -50,16 +50,28 @@ class LoadReport:
 
 @dataclass(frozen=True, slots=True)
 class LoadArgs:
+    """One generator's settings: its command-line flags (``parse`` reads them, ``command``
+    writes them)."""
+
     url: str
     api_key: str | None
     model: str
     concurrency: int
     start_at: float
-    warmup_s: float
-    duration_s: float
-    tokens: int
-    prompt_words: int
-    stagger_s: float
+    warmup_s: float = 5.0
+    duration_s: float = 15.0
+    tokens: int = 32
+    prompt_words: int = 100
+    stagger_s: float = 1.0
+
+    def command(self) -> list[str]:
+        """The command line that runs a generator with these settings."""
+        argv = [sys.executable, "-m", "bench.overhead.scaling_load"]
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value is not None:
+                argv += [f"--{item.name.replace('_', '-')}", str(value)]
+        return argv
 
 
 async def _one(
@@ -138,17 +150,20 @@ async def run(args: LoadArgs) -> LoadReport:
 
 
 def parse(argv: list[str]) -> LoadArgs:
+    default = {item.name: item.default for item in fields(LoadArgs)}
     parser = argparse.ArgumentParser(prog="python -m bench.overhead.scaling_load")
     parser.add_argument("--url", required=True)
     parser.add_argument("--api-key")
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--start-at", type=float, required=True, help="epoch seconds")
-    parser.add_argument("--warmup-s", type=float, default=5.0)
-    parser.add_argument("--duration-s", type=float, default=15.0)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--prompt-words", type=int, default=100)
-    parser.add_argument("--stagger-s", type=float, default=1.0, help="first-request spread")
+    parser.add_argument("--warmup-s", type=float, default=default["warmup_s"])
+    parser.add_argument("--duration-s", type=float, default=default["duration_s"])
+    parser.add_argument("--tokens", type=int, default=default["tokens"])
+    parser.add_argument("--prompt-words", type=int, default=default["prompt_words"])
+    parser.add_argument(
+        "--stagger-s", type=float, default=default["stagger_s"], help="first-request spread"
+    )
     ns = parser.parse_args(argv)
     return LoadArgs(**vars(ns))
 

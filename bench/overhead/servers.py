@@ -30,14 +30,22 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.overhead.procs import Server, StartError, free_port, start_python_server
+from bench.overhead.fake_vllm import Timing
+from bench.overhead.procs import (
+    Server,
+    StartError,
+    free_port,
+    start_fake_engine,
+    start_python_server,
+)
 
 ADMIN_KEY = "bench-overhead-admin-key"
 LITELLM_MASTER_KEY = "sk-bench-overhead"
@@ -171,6 +179,29 @@ def start_tandem(
     except (httpx.HTTPError, StartError):
         server.stop()
         raise
+
+
+@contextmanager
+def wrapped_tandem_over_fake(
+    work_dir: Path, timing: Timing, model: str, entry: str, extra_env: Mapping[str, str]
+) -> Iterator[tuple[Server, str]]:
+    """The fake engine, and ``tandem up`` over it (colocated, auth on) run by ``entry``, a
+    module that wraps it for a measurement (``ttft_marks``, ``memory_entry``); the gateway's
+    API key. Both stop when the block ends (the gateway first: a wrapper may write its
+    findings as it exits)."""
+    engine = start_fake_engine("fake", timing, model, work_dir, None)
+    try:
+        gateway, key = start_tandem(
+            TandemSetup(two_legs=False), engine.url, engine.url, model, work_dir, None,
+            entry=entry, extra_env=extra_env,
+        )  # fmt: skip
+        try:
+            assert key is not None  # the setup has auth on
+            yield gateway, key
+        finally:
+            gateway.stop()
+    finally:
+        engine.stop()
 
 
 def _wait_for_processes(listing: Path, server: Server, timeout_s: float = 120.0) -> None:

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.overhead.fake_vllm import Timing
-from bench.overhead.procs import start_fake_engine
-from bench.overhead.servers import TandemSetup, start_tandem
+from bench.overhead.scaling_load import LoadArgs
+from bench.overhead.servers import wrapped_tandem_over_fake
 from bench.overhead.ttft_marks import MARKS_ENV, STEPS
 
 MODEL = "fake-model"
@@ -48,29 +46,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--skip", type=int, default=10, help="first requests left out (warm-up)")
     args = parser.parse_args(argv)
-    work_dir = Path(tempfile.mkdtemp(prefix="tandem-ttft-steps-"))
-    marks = work_dir / "marks.json"
-    engine = start_fake_engine("fake", Timing(num_tokens=8, itl_s=0.02), MODEL, work_dir, None)
-    try:
-        gateway, key = start_tandem(
-            TandemSetup(two_legs=False), engine.url, engine.url, MODEL, work_dir, None,
-            entry="bench.overhead.ttft_marks", extra_env={MARKS_ENV: str(marks)},
-        )  # fmt: skip
-        try:
-            assert key is not None  # the setup has auth on
-            load = [
-                sys.executable, "-m", "bench.overhead.scaling_load", "--url", gateway.url,
-                "--api-key", key, "--model", MODEL, "--concurrency", "1",
-                "--start-at", str(time.time()), "--warmup-s", "0",
-                "--duration-s", str(args.duration_s), "--tokens", "8", "--stagger-s", "0",
-            ]  # fmt: skip
-            subprocess.run(load, check=True, capture_output=True)
-        finally:
-            gateway.stop()
-        records = json.loads(marks.read_text())[args.skip :]
-    finally:
-        engine.stop()
-        shutil.rmtree(work_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="tandem-ttft-steps-") as tmp:
+        marks = Path(tmp) / "marks.json"
+        timing = Timing(num_tokens=8, itl_s=0.02)
+        with wrapped_tandem_over_fake(
+            Path(tmp), timing, MODEL, "bench.overhead.ttft_marks", {MARKS_ENV: str(marks)}
+        ) as (gateway, key):
+            load = LoadArgs(
+                gateway.url, key, MODEL, concurrency=1, start_at=time.time(), warmup_s=0,
+                duration_s=args.duration_s, tokens=8, stagger_s=0,
+            )  # fmt: skip
+            subprocess.run(load.command(), check=True, capture_output=True)
+        records = json.loads(marks.read_text())[args.skip :]  # written as the gateway exited
     print(f"{len(records)} requests, one at a time; ms after the route's entry (medians)")
     print(f"{'step':20} {'at':>8} {'step':>8}")
     for step, at, gap, _ in step_table(records):

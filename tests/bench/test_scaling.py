@@ -9,7 +9,7 @@ import pytest
 
 from bench.overhead.fake_vllm import FakeVllm
 from bench.overhead.scaling import Layout
-from bench.overhead.scaling_load import LoadArgs, run
+from bench.overhead.scaling_load import LoadArgs, parse, run
 
 MODEL = "fake-model"  # the ``fake`` fixture's (tests/bench/conftest.py)
 TOKENS = 4
@@ -68,3 +68,16 @@ async def test_a_generator_counts_refusals_as_failures_by_kind(
     report = await run(args)
     assert report.completed == 0 and report.failed > 0
     assert set(report.errors) == {"http_404"}
+
+
+def test_a_generators_command_line_reads_back_as_its_settings() -> None:
+    full = LoadArgs(
+        url="http://127.0.0.1:1", api_key="tdm-key", model=MODEL, concurrency=7, start_at=12.5,
+        warmup_s=0.0, duration_s=3.25, tokens=8, prompt_words=9, stagger_s=0.0,
+    )  # fmt: skip
+    keyless = LoadArgs("http://127.0.0.1:1", None, MODEL, 2, 1.0)  # parse's defaults
+    for args in (full, keyless):
+        argv = args.command()
+        assert argv[1:3] == ["-m", "bench.overhead.scaling_load"]
+        assert parse(argv[3:]) == args
+    assert "--api-key" not in keyless.command()
