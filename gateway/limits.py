@@ -80,7 +80,9 @@ class RequestLimitsMiddleware:
             return
         if body is None:
             return  # the client left before its body arrived: there is no one to answer
-        await self.app(scope, _replay(body, receive), send)
+        replayed = _replay(body, receive)
+        del body  # the app takes it once: not held here while a response streams for minutes
+        await self.app(scope, replayed, send)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.limits.max_body_bytes
@@ -152,14 +154,12 @@ def _too_large(limit: int) -> BodyTooLargeError:
 
 def _replay(body: bytes, receive: Receive) -> Receive:
     """The app's ``receive``: the body read here once, then the server's own messages (the
-    disconnect a streaming route waits for)."""
-    sent = False
+    disconnect a streaming route waits for). Once handed over, the body is not kept here."""
+    unsent = [body]
 
     async def replayed() -> Message:
-        nonlocal sent
-        if sent:
+        if not unsent:
             return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": unsent.pop(), "more_body": False}
 
     return replayed

@@ -4,7 +4,10 @@
 block) before the gateway imports anything of its own, then runs ``tandem up``. Each SIGUSR1
 dumps two snapshots: ``<$TANDEM_MEMORY_SNAPSHOTS>.<n>`` as the heap is (n = 0, 1, ...), then
 ``<...>.<n>.collected`` after a full collection (what is left is what something still
-references). Not for serving: tracemalloc makes every allocation several times dearer.
+references), then ``<...>.<n>.types``: the objects the collector tracks, counted by type (JSON;
+a type that outnumbers the connections says what something keeps too long: how the protocols
+of reset connections were found, held for uvicorn's keep-alive timeout). Not for serving:
+tracemalloc makes every allocation several times dearer.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import os
 import signal
 import sys
 import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 from types import FrameType
+
+import orjson
 
 SNAPSHOTS_ENV = "TANDEM_MEMORY_SNAPSHOTS"
 FRAMES = 8
@@ -32,11 +38,21 @@ def _dumper(prefix: str) -> Callable[[int, FrameType | None], None]:
             if collect:
                 gc.collect()
             tracemalloc.take_snapshot().dump(f"{target}.part")
-            # Whole or absent: the reader polls for the second and then reads both.
+            # Whole or absent: the reader polls for the last and then reads them all.
             os.replace(f"{target}.part", target)
+        with open(f"{path}.types.part", "wb") as out:
+            out.write(orjson.dumps(tracked_by_type()))
+        os.replace(f"{path}.types.part", f"{path}.types")
         taken += 1
 
     return dump
+
+
+def tracked_by_type() -> dict[str, int]:
+    """The objects the collector tracks, by ``module.qualname`` of their type."""
+    return dict(
+        Counter(f"{type(item).__module__}.{type(item).__qualname__}" for item in gc.get_objects())
+    )
 
 
 def main() -> int:

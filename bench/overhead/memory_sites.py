@@ -1,13 +1,15 @@
 """Where a gateway's memory per open stream goes: tracemalloc's growth under load, by site.
 
-``python -m bench.overhead.memory_sites [--concurrency 16] [--duration-s 12] [--top 20]``
+``python -m bench.overhead.memory_sites [--concurrency 16] [--duration-s 12] [--prompt-words
+100] [--top 20]``
 starts the fake engine and ``tandem up`` (colocated; auth, quotas, fair queue and billing on)
 under tracemalloc (``memory_entry.py``). It runs the load once to warm every cache, takes a
 snapshot idle, then one while ``--concurrency`` clients stream, and prints the growth between
 the two per client connection the gateway holds open then, split into what a full collection
 leaves (still referenced) and what it frees (cyclic garbage awaiting the collector): by the
-package that allocated, and by allocation site, each with the nearest Tandem frame that asked
-for it.
+package that allocated, by the type of the objects the collector tracks (a type with more
+objects than connections is kept past its request), and by allocation site, each with the
+nearest Tandem frame that asked for it.
 
 Python objects only: what C code allocates with malloc itself (libuv's handles, the HTTP
 parsers' state) and the allocator's slack are in the RSS that ``python -m bench.overhead``
@@ -26,10 +28,11 @@ import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import orjson
 import psutil
 
 from bench.overhead.fake_vllm import Timing
@@ -121,22 +124,45 @@ def open_connections(pid: int, port: int) -> int:
     )
 
 
-def _snapshots(
-    pid: int, path: Path, timeout_s: float = 60.0
-) -> tuple[tracemalloc.Snapshot, tracemalloc.Snapshot]:
-    """The gateway's heap now, as it is and after a full collection (``memory_entry``)."""
+@dataclass(frozen=True, slots=True)
+class Heap:
+    """One ``memory_entry`` dump: the heap as it was, after a full collection, and the objects
+    the collector tracks by type then."""
+
+    as_is: tracemalloc.Snapshot
+    collected: tracemalloc.Snapshot
+    types: dict[str, int]
+
+
+def _heap(pid: int, path: Path, timeout_s: float = 60.0) -> Heap:
+    """The gateway's heap now (``memory_entry`` writes it on SIGUSR1)."""
     signal_sent = time.monotonic()
     os.kill(pid, signal.SIGUSR1)
-    collected = Path(f"{path}.collected")
-    while not collected.exists():
+    types = Path(f"{path}.types")
+    while not types.exists():  # the last of the three written
         if time.monotonic() - signal_sent > timeout_s:
             raise RuntimeError(f"the gateway wrote no snapshot to {path} in {timeout_s:.0f} s")
         time.sleep(0.1)
-    return tracemalloc.Snapshot.load(str(path)), tracemalloc.Snapshot.load(str(collected))
+    return Heap(
+        tracemalloc.Snapshot.load(str(path)),
+        tracemalloc.Snapshot.load(f"{path}.collected"),
+        orjson.loads(types.read_bytes()),
+    )
 
 
-def _load(url: str, key: str, concurrency: int, duration_s: float) -> subprocess.Popen[bytes]:
-    load = LoadArgs(url, key, MODEL, concurrency, time.time(), warmup_s=0, duration_s=duration_s)
+def type_growth(before: dict[str, int], after: dict[str, int]) -> list[tuple[str, int]]:
+    """Objects gained per type, most first (none lost)."""
+    grown = Counter({name: count - before.get(name, 0) for name, count in after.items()})
+    return [(name, count) for name, count in grown.most_common() if count > 0]
+
+
+def _load(
+    url: str, key: str, args: argparse.Namespace, duration_s: float
+) -> subprocess.Popen[bytes]:
+    load = LoadArgs(
+        url, key, MODEL, args.concurrency, time.time(), warmup_s=0, duration_s=duration_s,
+        prompt_words=args.prompt_words,
+    )  # fmt: skip
     return subprocess.Popen(load.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -158,6 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         "at 128 clients it held 23 connections open)",
     )
     parser.add_argument("--duration-s", type=float, default=12.0)
+    parser.add_argument(
+        "--prompt-words",
+        type=int,
+        default=next(item.default for item in fields(LoadArgs) if item.name == "prompt_words"),
+        help="words in each request's prompt (about 6 bytes a word)",
+    )
     parser.add_argument("--top", type=int, default=20, help="allocation sites shown")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tandem-memory-sites-") as tmp:
@@ -165,21 +197,21 @@ def main(argv: list[str] | None = None) -> None:
         with wrapped_tandem_over_fake(
             Path(tmp), Timing(), MODEL, "bench.overhead.memory_entry", {SNAPSHOTS_ENV: str(prefix)}
         ) as (gateway, key):
-            _finish(_load(gateway.url, key, args.concurrency, 5.0))  # every cache warm
+            _finish(_load(gateway.url, key, args, 5.0))  # every cache warm
             time.sleep(2.0)
-            _, idle = _snapshots(gateway.pid, Path(f"{prefix}.0"))
-            load = _load(gateway.url, key, args.concurrency, args.duration_s)
+            idle = _heap(gateway.pid, Path(f"{prefix}.0"))
+            load = _load(gateway.url, key, args, args.duration_s)
             time.sleep(1.0 + args.duration_s / 2)  # past the stagger: every stream open
             port = urlsplit(gateway.url).port
             assert port is not None
             streams = open_connections(gateway.pid, port)
-            loaded, loaded_collected = _snapshots(gateway.pid, Path(f"{prefix}.1"))
+            loaded = _heap(gateway.pid, Path(f"{prefix}.1"))
             report = _finish(load)
     if streams < 1:
         raise RuntimeError("no stream was open when the loaded snapshot was taken")
     per = 1024 * streams
-    held = growth(idle, loaded_collected)
-    garbage = growth(loaded_collected, loaded)
+    held = growth(idle.collected, loaded.collected)
+    garbage = growth(loaded.collected, loaded.as_is)
     print(f"load: {report}")
     print(
         f"Python objects grown with {streams} client connections open ({args.concurrency} "
@@ -190,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     for package, size in by_package(held):
         if size / per >= 0.05:
             print(f"{package:28} {size / per:>10.2f}")
+    print(f"\n{'objects/conn':>12}  type (tracked by the collector, still referenced)")
+    for name, count in type_growth(idle.types, loaded.types)[: args.top]:
+        print(f"{count / streams:>12.1f}  {name}")
     for title, sites in (("still referenced", held), ("awaiting the collector", garbage)):
         print(
             f"\n{'KiB/conn':>10} {'blocks':>7}  {'allocated at (' + title + ')':56} Tandem caller"

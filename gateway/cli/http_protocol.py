@@ -51,6 +51,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
         super().connection_lost(exc)
+        # uvicorn disarms its keep-alive timer only on a clean close: after a reset (a client
+        # that leaves with the rest of a response unread) the timer kept the protocol, its
+        # transport and buffers alive for the whole keep-alive timeout.
+        self._unset_keepalive_if_required()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

@@ -39,6 +39,7 @@ from core.errors import (
     StoreUnavailableError,
     TandemError,
 )
+from core.jsonbytes import dumps_to_keep
 from core.messages import Endpoint
 from core.request import Request
 from gateway.serving.events import ResponseHead, Run, StreamEnd, answer_of
@@ -164,7 +165,7 @@ class IdempotentRuns:
                     continue
                 assert isinstance(item, dict)
                 tee.assembler.add(item)
-                last = orjson.dumps(item)
+                last = dumps_to_keep(item)  # waits for the next item
         except BaseException as exc:
             if not tee.opened.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -201,7 +202,7 @@ class IdempotentRuns:
             if not request.engine_ran:
                 await self._store.release(key.scope, key.token)
                 return
-            stored = StoredResponse(status, orjson.dumps(body), time.time())
+            stored = StoredResponse(status, dumps_to_keep(body), time.time())
             retention_s = self._config.retention_s
             if not await self._store.complete(key.scope, key.token, stored, retention_s):
                 log.warning("request %s: its idempotency claim lapsed; answer not stored",

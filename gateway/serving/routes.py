@@ -185,7 +185,11 @@ def _client_gone(http_request: HttpRequest) -> Callable[[], Awaitable[None]]:
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:
-    raw = await http_request.body()
+    # Read as a stream: body() would keep the bytes on the request for as long as the
+    # response streams (the parsed prompt is what the request keeps).
+    chunks = [chunk async for chunk in http_request.stream() if chunk]
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    del chunks
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -119,7 +119,11 @@ class EventStream(Response):
                     await send(_body(HEARTBEAT))
                 self._arm_heartbeat()
                 async for payload in self._events:
-                    await send(_body(frame(payload)))
+                    event = frame(payload)
+                    # Not held while the next event is awaited: orjson's bytes keep their
+                    # whole working buffer (core/jsonbytes.py), the framed copy only itself.
+                    del payload
+                    await send(_body(event))
             await self._stop_streaming()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

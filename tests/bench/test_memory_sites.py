@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.overhead.memory_sites import REPO, Site, by_package, growth, package_of
+from bench.overhead.memory_sites import REPO, Site, by_package, growth, package_of, type_growth
 
 
 @pytest.fixture
@@ -64,13 +64,25 @@ def test_packages_of_files() -> None:
     ) == [("uvicorn", 30), ("gateway", 15)]
 
 
+def test_types_grown_most_first_and_none_lost() -> None:
+    before = {"a.Protocol": 10, "b.Flow": 2, "c.Gone": 5}
+    after = {"a.Protocol": 12, "b.Flow": 9, "d.New": 1}
+    assert type_growth(before, after) == [("b.Flow", 7), ("a.Protocol", 2), ("d.New", 1)]
+
+
 def test_a_short_run_attributes_the_streams_memory_to_the_gateway() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.overhead.memory_sites", "--concurrency", "4",
-         "--duration-s", "3", "--top", "3"],
+         "--duration-s", "3", "--top", "80"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "still referenced after a full collection" in done.stdout
     packages = re.findall(r"^(\w+) +([0-9.]+)$", done.stdout, re.M)
     assert ("gateway" in dict(packages)) and float(dict(packages)["gateway"]) > 0, done.stdout
+    per_type = dict(
+        (name, float(count))
+        for count, name in re.findall(r"^ +([0-9.]+)  (\S+)$", done.stdout, re.M)
+    )
+    # Each open stream has its request flow: the types table counts per connection.
+    assert per_type.get("gateway.serving.flow.RequestFlow", 0) >= 0.5, done.stdout

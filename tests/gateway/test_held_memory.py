@@ -1,0 +1,182 @@
+"""What a request does not keep while its response streams (docs/ARCHITECTURE.md, the memory
+paragraph of the hot path): its raw body once parsed, an event once written, a connection the
+client reset. Each is a copy per open stream, or a whole connection's objects per reset one.
+
+"Not kept" is read off the garbage collector: the test holds the object in one list of its
+own, and that list must be its only referrer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import struct
+import tracemalloc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.requests import Request as HttpRequest
+from starlette.types import Message, Receive, Scope, Send
+
+from core.jsonbytes import dumps_to_keep
+from gateway.cli.http_protocol import LimitedHttpToolsProtocol, limited_httptools
+from gateway.limits import RequestLimits, RequestLimitsMiddleware
+from gateway.serving.routes import _json_body
+from gateway.serving.sse import EventStream
+from tests.gateway.conftest import _free_port, wait_until
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]})
+
+
+def _scope() -> Scope:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-length", b"%d" % len(BODY))],
+    }
+
+
+def _server_hands_over(given: list[bytes]) -> Receive:
+    """The server's ``receive``: the body once (a new object, recorded in ``given``), then
+    nothing until the test ends."""
+
+    async def receive() -> Message:
+        if given:
+            await asyncio.Event().wait()
+        given.append(bytes(memoryview(BODY)))  # a copy: bytes(BODY) would be BODY itself
+        return {"type": "http.request", "body": given[-1], "more_body": False}
+
+    return receive
+
+
+def _only_held_by(value: object, holder: list[Any]) -> bool:
+    gc.collect()
+    return gc.get_referrers(value) == [holder]
+
+
+async def test_the_limits_middleware_keeps_no_body_once_the_app_has_it() -> None:
+    given: list[bytes] = []
+    received = asyncio.Event()
+    response_ends = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert (await receive())["body"] == BODY
+        received.set()
+        await response_ends.wait()  # a long stream: the middleware's frame suspended above
+
+    middleware = RequestLimitsMiddleware(app, RequestLimits())
+    serving = asyncio.create_task(middleware(_scope(), _server_hands_over(given), _no_send))
+    await received.wait()
+    kept_nowhere = _only_held_by(given[0], given)  # (an assert's own temporaries would hold it)
+    response_ends.set()
+    await serving
+    assert kept_nowhere
+
+
+async def test_parsing_the_body_leaves_no_copy_on_the_request() -> None:
+    async def receive() -> Message:  # unlike _server_hands_over, keeps nothing itself
+        return {"type": "http.request", "body": bytes(memoryview(BODY)), "more_body": False}
+
+    request = HttpRequest(_scope(), receive)
+    tracemalloc.start()
+    try:
+        body = await _json_body(request)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert body["messages"][0]["content"] == "x" * 20_000
+    # The parsed prompt is the one copy; body() would have kept another on `request`.
+    assert held < 1.5 * len(BODY), held
+
+
+async def test_an_event_written_is_not_held_while_the_next_is_awaited() -> None:
+    payloads: list[bytes] = []
+    written = asyncio.Event()
+    next_event = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        payloads.append(orjson.dumps({"choices": [{"delta": {"content": "hi"}}]}))
+        yield payloads[-1]
+        await next_event.wait()  # the stream suspended between two tokens
+        yield b"[DONE]"
+
+    async def send(message: Message) -> None:
+        if message.get("body", b"").startswith(b"data: {"):
+            written.set()
+
+    async def never_leaves() -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def closed() -> None:
+        return None
+
+    stream = EventStream(events(), {}, 0, closed)
+    streaming = asyncio.create_task(stream({"type": "http"}, never_leaves, send))
+    await written.wait()
+    kept_nowhere = _only_held_by(payloads[0], payloads)
+    next_event.set()
+    await streaming
+    assert kept_nowhere
+
+
+def test_a_kept_document_is_its_own_length() -> None:
+    document = {"choices": [{"index": 0, "delta": {"content": "hello"}}]}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = dumps_to_keep(document)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept == orjson.dumps(document)
+    assert grown < len(kept) + 128, grown  # orjson's own bytes hold 4 KiB at the least
+
+
+async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
+    """uvicorn disarms its keep-alive timer only on a clean close; after a reset the timer
+    held the connection's protocol for the whole keep-alive timeout (60 s here)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = _free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+        http=limited_httptools(RequestLimits()), timeout_keep_alive=60,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"\r\n0\r\n\r\n"):  # the whole response: kept alive now
+            answer += await reader.read(4096)
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert _protocols() == 1
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # SO_LINGER 0: the close is a reset
+        await wait_until(lambda: _protocols() == 0, timeout_s=5.0)
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def _protocols() -> int:
+    gc.collect()
+    return sum(isinstance(item, LimitedHttpToolsProtocol) for item in gc.get_objects())
+
+
+async def _no_send(message: Message) -> None:
+    raise AssertionError(f"nothing is answered here, got {message['type']}")
