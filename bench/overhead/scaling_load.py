@@ -88,6 +88,10 @@ async def _one(
                 return f"http_{response.status}", 0
             async for line in response.content:
                 if line.startswith(DONE):
+                    # Read to the end, as the OpenAI SDKs do: a response left with its last
+                    # bytes unread closes its connection (a reset), and the next request
+                    # would pay for a new one.
+                    await response.content.read()
                     return None, chunks
                 if line.startswith(b'data: {"error"'):
                     return "error_event", 0
