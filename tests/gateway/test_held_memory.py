@@ -2,8 +2,9 @@
 paragraph of the hot path): its raw body once parsed, an event once written, a connection the
 client reset. Each is a copy per open stream, or a whole connection's objects per reset one.
 
-"Not kept" is read off the garbage collector: the test holds the object in one list of its
-own, and that list must be its only referrer.
+"Not kept" is read off the garbage collector (the test holds the object in one list of its
+own, and that list must be its only referrer) or, where the object is made inside the code
+under test, off tracemalloc (what is still allocated once the call returned).
 """
 
 from __future__ import annotations
