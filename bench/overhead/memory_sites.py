@@ -28,7 +28,7 @@ import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,7 +37,7 @@ import psutil
 
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.memory_entry import SNAPSHOTS_ENV
-from bench.overhead.scaling_load import LoadArgs
+from bench.overhead.scaling_load import LoadArgs, load_default
 from bench.overhead.servers import wrapped_tandem_over_fake
 
 MODEL = "fake-model"
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompt-words",
         type=int,
-        default=next(item.default for item in fields(LoadArgs) if item.name == "prompt_words"),
+        default=load_default("prompt_words"),
         help="words in each request's prompt (about 6 bytes a word)",
     )
     parser.add_argument("--top", type=int, default=20, help="allocation sites shown")

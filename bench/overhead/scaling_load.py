@@ -21,6 +21,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import aiohttp
 import orjson
@@ -153,20 +154,25 @@ async def run(args: LoadArgs) -> LoadReport:
     return report
 
 
+def load_default(name: str) -> Any:
+    """The default of ``LoadArgs``'s field ``name``: its flag's default, here and in the
+    tools that start a generator."""
+    return next(item.default for item in fields(LoadArgs) if item.name == name)
+
+
 def parse(argv: list[str]) -> LoadArgs:
-    default = {item.name: item.default for item in fields(LoadArgs)}
     parser = argparse.ArgumentParser(prog="python -m bench.overhead.scaling_load")
     parser.add_argument("--url", required=True)
     parser.add_argument("--api-key")
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--start-at", type=float, required=True, help="epoch seconds")
-    parser.add_argument("--warmup-s", type=float, default=default["warmup_s"])
-    parser.add_argument("--duration-s", type=float, default=default["duration_s"])
-    parser.add_argument("--tokens", type=int, default=default["tokens"])
-    parser.add_argument("--prompt-words", type=int, default=default["prompt_words"])
+    parser.add_argument("--warmup-s", type=float, default=load_default("warmup_s"))
+    parser.add_argument("--duration-s", type=float, default=load_default("duration_s"))
+    parser.add_argument("--tokens", type=int, default=load_default("tokens"))
+    parser.add_argument("--prompt-words", type=int, default=load_default("prompt_words"))
     parser.add_argument(
-        "--stagger-s", type=float, default=default["stagger_s"], help="first-request spread"
+        "--stagger-s", type=float, default=load_default("stagger_s"), help="first-request spread"
     )
     ns = parser.parse_args(argv)
     return LoadArgs(**vars(ns))
