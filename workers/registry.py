@@ -48,14 +48,10 @@ class Worker:
         The one test of KV-fullness, for admission capacity and picking alike."""
         return self.kv_usage is not None and self.kv_usage >= watermark
 
-    @contextmanager
-    def lease(self) -> Iterator[Worker]:
-        """Count one in-flight request on this worker for as long as the block runs."""
-        self.num_outstanding += 1
-        try:
-            yield self
-        finally:
-            self.num_outstanding -= 1
+    def lease(self) -> WorkerLease:
+        """Count one in-flight request on this worker: for as long as a ``with`` block runs,
+        or from ``hold()`` to ``release()`` (a lease held across calls, as a stream's)."""
+        return WorkerLease(self)
 
     @contextmanager
     def holding_kv(self) -> Iterator[Worker]:
@@ -66,6 +62,38 @@ class Worker:
             yield self
         finally:
             self.num_kv_held -= 1
+
+
+class WorkerLease:
+    """One in-flight request counted on a worker (``Worker.lease``), given back once.
+
+    A class, not a generator context manager: a stream holds its lease for its whole life,
+    and a suspended generator (and the exit stack that held it) weighed about 1 KiB a stream."""
+
+    __slots__ = ("_held", "worker")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._held = False
+
+    def hold(self) -> WorkerLease:
+        if not self._held:
+            self._held = True
+            self.worker.num_outstanding += 1
+        return self
+
+    def release(self) -> None:
+        """Idempotent: only a held lease gives its count back."""
+        if self._held:
+            self._held = False
+            self.worker.num_outstanding -= 1
+
+    def __enter__(self) -> Worker:
+        self.hold()
+        return self.worker
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 def mean_kv_usage(workers: Iterable[Worker]) -> float | None:

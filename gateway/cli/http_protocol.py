@@ -14,6 +14,12 @@ the connection:
 
 A request the parser cannot read at all is uvicorn's 400, in the same error shape. The body's
 limits are the app's (``gateway/limits.py``).
+
+It also tells a request at once that its client hung up: each request's scope carries a
+``HangUpSignal`` (``gateway/serving/hangup.py``), fired when the connection is lost before the
+response completed. Without it, every request would need a task of its own waiting on
+``receive()`` for the disconnect, created and cancelled twice a request and held for a
+stream's whole life.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from core.errors import HeadersTooLargeError, InvalidRequestError, RequestTimeoutError, TandemError
 from gateway.limits import RequestLimits
+from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
 
 log = logging.getLogger("tandem.gateway")
 
@@ -43,6 +50,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        # The hang-up signals of this connection's requests whose responses are not complete,
+        # oldest first (more than one only when a client pipelines). A list: an empty deque
+        # is 0.75 KiB, held for the connection's life.
+        self._hang_ups: list[HangUpSignal] = []
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,6 +62,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
         super().connection_lost(exc)
+        hang_ups, self._hang_ups = self._hang_ups, []
+        for signal in hang_ups:
+            signal.fire()
         # uvicorn disarms its keep-alive timer only on a clean close: after a reset (a client
         # that leaves with the rest of a response unread) the timer kept the protocol, its
         # transport and buffers alive for the whole keep-alive timeout.
@@ -81,7 +95,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._reading_head = False
         self._stop_head_timer()
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a request the app will see (not an upgrade)
+            signal = HangUpSignal()
+            extensions: dict[str, Any] = dict(self.scope.get("extensions", {}))
+            extensions[HANG_UP_EXTENSION] = signal
+            self.scope["extensions"] = extensions
+            self._hang_ups.append(signal)
+
+    def on_response_complete(self) -> None:
+        if self._hang_ups:
+            del self._hang_ups[0]
+        super().on_response_complete()
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

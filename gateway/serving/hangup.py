@@ -2,10 +2,18 @@
 
 The server does not cancel a handler whose client left, so whatever a request waits for (a
 place in the fair queue, an engine's next token) has to be interrupted by someone watching.
-``HangUpCancels`` starts one watcher for the current task: when ``client_gone`` returns it
-cancels the task, which stops the wait where it is (the queue entry leaves, the engine call is
-aborted). The work itself stays in the request's task: a task of its own for the work would
-cost every request a hop through the event loop before it even started.
+``HangUpCancels`` watches for the current task: when the client hangs up it cancels the task,
+which stops the wait where it is (the queue entry leaves, the engine call is aborted). The work
+itself stays in the request's task: a task of its own for the work would cost every request a
+hop through the event loop before it even started.
+
+Two ways to hear the hang-up (``ClientGone``):
+
+- the gateway's own HTTP server (``gateway/cli/http_protocol.py``) puts a ``HangUpSignal`` in
+  the request's ASGI scope (``scope["extensions"]["tandem.hang_up"]``) and fires it from the
+  connection's ``connection_lost``: no task, no wait, nothing held per request but the signal;
+- any other ASGI server: a coroutine function that returns once ``receive()`` says
+  ``http.disconnect``, run in a watcher task for as long as the watch lasts.
 
 The task then tells that cancel apart from any other (the server stopping) with
 ``absorb_hang_up``: only a cancel the hang-up alone requested is absorbed. Used by admission
@@ -16,13 +24,67 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from types import TracebackType
+from typing import Any
+
+from starlette.types import Receive
 
 log = logging.getLogger("tandem.requests")
 
-ClientGone = Callable[[], Awaitable[None]]
-"""Returns once the client has hung up; never returns while it is connected."""
+HANG_UP_EXTENSION = "tandem.hang_up"
+"""The ASGI scope extension under which a server puts a request's ``HangUpSignal``."""
+
+
+class HangUpSignal:
+    """The server's notice that a request's client hung up before its response completed.
+
+    ``fire`` runs each subscriber once, at once; a subscriber that comes after the hang-up
+    is run as it subscribes."""
+
+    __slots__ = ("_callbacks", "fired")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self.fired = False
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        if self.fired:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+ClientGone = HangUpSignal | Callable[[], Awaitable[None]]
+"""How a request hears its client hang up: the server's ``HangUpSignal``, or a coroutine
+function that returns once the client has hung up (never while it is connected)."""
+
+
+def client_gone_of(scope: Mapping[str, Any], receive: Receive) -> ClientGone:
+    """The scope's ``HangUpSignal`` when the server gives one, else a wait on ``receive``.
+    Only for after the request's body was read: then the next message is the disconnect."""
+    signal = scope.get("extensions", {}).get(HANG_UP_EXTENSION)
+    if isinstance(signal, HangUpSignal):
+        return signal
+    return partial(_disconnected, receive)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class HangUpCancels:
@@ -39,7 +101,7 @@ class HangUpCancels:
     def __init__(self, client_gone: ClientGone) -> None:
         self._client_gone = client_gone
         self._task: asyncio.Task[object] | None = None
-        self._watcher: asyncio.Future[None] | None = None
+        self._watcher: asyncio.Future[None] | None = None  # only without a signal
         self._watching = False
         self.client_left = False
 
@@ -49,8 +111,11 @@ class HangUpCancels:
             raise RuntimeError("HangUpCancels is entered from a task, which it cancels")
         self._task = task
         self._watching = True
-        self._watcher = asyncio.ensure_future(self._client_gone())
-        self._watcher.add_done_callback(self._on_gone)
+        if isinstance(self._client_gone, HangUpSignal):
+            self._client_gone.subscribe(self._hung_up)
+        else:
+            self._watcher = asyncio.ensure_future(self._client_gone())
+            self._watcher.add_done_callback(self._on_gone)
         return self
 
     def __exit__(
@@ -64,7 +129,9 @@ class HangUpCancels:
     def stop(self) -> None:
         """No cancel from here on (idempotent): the work is over or past being interrupted."""
         self._watching = False
-        if self._watcher is not None:
+        if isinstance(self._client_gone, HangUpSignal):
+            self._client_gone.unsubscribe(self._hung_up)
+        elif self._watcher is not None:
             self._watcher.cancel()  # a cancelled wait for the hang-up consumes nothing
 
     def absorb_hang_up(self) -> bool:
@@ -82,6 +149,11 @@ class HangUpCancels:
             return
         if (error := watcher.exception()) is not None:  # no way left to hear a hang-up
             log.debug("the watch for the client hanging up failed: %r", error)
+            return
+        self._hung_up()
+
+    def _hung_up(self) -> None:
+        if not self._watching or self.client_left:
             return
         assert self._task is not None
         self.client_left = True

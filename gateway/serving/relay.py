@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Callable
-from contextlib import ExitStack
 from typing import Any
 
 import orjson
@@ -53,16 +52,13 @@ class Relay:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         """The engine's final usage chunk, when it sent one."""
-        # The slot is held across calls: an ExitStack keeps Worker.lease() the one way slots
-        # are counted.
-        self._held = ExitStack()
-        self._held.enter_context(leg.worker.lease())
+        self._lease = leg.worker.lease().hold()  # across calls: released by close()
 
     def close(self) -> None:
         """Drop the upstream connection (vLLM aborts the request) and give the slot back;
         idempotent."""
         self._upstream.close()
-        self._held.close()
+        self._lease.release()
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         """The client's chunks, until the engine's stream ends (or every choice was cut)."""

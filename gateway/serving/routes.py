@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import orjson
@@ -21,6 +20,7 @@ from core.models import ServedModel
 from gateway.errors import invalid_request_from_validation
 from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
 from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
+from gateway.serving.hangup import client_gone_of
 from gateway.serving.idempotent import replay_response
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.sse import serve_stream
@@ -147,7 +147,12 @@ async def _serve(
         request = flow.receive(endpoint, body, caller, deadline, headers.get(SESSION_HEADER))
         trace.received(request)
         outcome = await flow.serve(
-            request, caller, idempotency_key, body_fingerprint, _client_gone(http_request), trace
+            request,
+            caller,
+            idempotency_key,
+            body_fingerprint,
+            client_gone_of(http_request.scope, http_request.receive),
+            trace,
         )
     except BaseException as exc:
         trace.end(error=exc)
@@ -171,17 +176,6 @@ async def _render(
             orjson.dumps(outcome.body), media_type="application/json", headers=outcome.headers
         )
     return await serve_stream(outcome.source, services.ping_interval_s)
-
-
-def _client_gone(http_request: HttpRequest) -> Callable[[], Awaitable[None]]:
-    """Waits for the client to hang up. Only for after the body was read: then the server's
-    next message is the disconnect (a cancelled wait consumes nothing)."""
-
-    async def wait() -> None:
-        while (await http_request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:

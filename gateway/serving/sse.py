@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from functools import partial
 from typing import Protocol
 
 import orjson
@@ -30,7 +29,7 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from core.errors import TandemError
-from gateway.serving.hangup import HangUpCancels
+from gateway.serving.hangup import HangUpCancels, client_gone_of
 
 log = logging.getLogger("tandem.requests")
 
@@ -75,12 +74,13 @@ class EventStream(Response):
     """A ``text/event-stream`` response: each payload of ``events`` as one ``data:`` event,
     and a heartbeat every ``ping_interval_s`` (0: none) from a timer, not a task.
 
-    The handler's own task writes the events. A hang-up cancels it (``HangUpCancels``: one
-    watcher task per response), which ends ``events`` where it is suspended (the request is
-    aborted, as a client that leaves must see). ``on_close`` is awaited however the
-    response ends, even if the client left before the first event (then ``events`` never ran,
-    so its own cleanup could not). ``heartbeat_first`` sends one heartbeat with the headers:
-    a stream committed before its first token says at once that it is alive.
+    The handler's own task writes the events. A hang-up cancels it (``HangUpCancels``: the
+    server's signal, or a watcher task per response), which ends ``events`` where it is
+    suspended (the request is aborted, as a client that leaves must see). ``on_close`` is
+    awaited however the response ends, even if the client left before the first event (then
+    ``events`` never ran, so its own cleanup could not). ``heartbeat_first`` sends one
+    heartbeat with the headers: a stream committed before its first token says at once that
+    it is alive.
     """
 
     media_type = "text/event-stream"
@@ -109,12 +109,13 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
         self._streaming = True
-        watch = HangUpCancels(partial(_disconnected, receive))
+        watch = HangUpCancels(client_gone_of(scope, receive))
         try:
             with watch:
                 await send(
                     {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
                 )
+                self.raw_headers = []  # sent: not held for the stream's life (about 1.3 KiB)
                 if self._heartbeat_first:
                     await send(_body(HEARTBEAT))
                 self._arm_heartbeat()
@@ -165,13 +166,6 @@ class EventStream(Response):
         if pinging is not None and not pinging.done():
             pinging.cancel()
             await asyncio.wait((pinging,))
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns once the client hung up. The body was read before the response started: the
-    next message is the disconnect."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _body(chunk: bytes) -> Message:

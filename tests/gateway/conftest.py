@@ -27,7 +27,9 @@ from core.messages import WorkerRole
 from core.models import ServedModel
 from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
 from gateway.assembly.stores import StoreConfig
+from gateway.cli.http_protocol import limited_httptools
 from gateway.cli.main import main
+from gateway.limits import RequestLimits
 from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
@@ -94,6 +96,7 @@ async def make_fake_stack(
     gateway: dict[str, Any] | None = None,
     model: ServedModel | None = None,
     pool_options: dict[str, Any] | None = None,
+    http: str | type[asyncio.Protocol] | None = None,
     **upstream: float,
 ) -> AsyncIterator[FakeStack]:
     """Fake prefill and decode engines behind pools, and the gateway on a real uvicorn server.
@@ -102,7 +105,8 @@ async def make_fake_stack(
     Tenants live in a throwaway SQLite file unless ``access`` says otherwise; the admin key is
     ``ADMIN_KEY``. ``gateway`` replaces other ``GatewayConfig`` fields; ``model`` replaces the
     served model (``MODEL``, 256 tokens of context); ``pool_options`` replaces ``PoolConfig`` fields
-    of both pools (e.g. ``kv_watermark``).
+    of both pools (e.g. ``kv_watermark``). ``http`` is uvicorn's HTTP protocol: by default the
+    gateway's own, as ``tandem up`` serves (``gateway/cli/http_protocol.py``).
     """
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-test-"))
     prefills = [
@@ -162,7 +166,14 @@ async def make_fake_stack(
     app = create_app(config, Deployments([deployment]))
     port = _free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            http=http or limited_httptools(RequestLimits()),
+        )
     )
     serving = asyncio.create_task(server.serve())
     await wait_until(lambda: server.started)

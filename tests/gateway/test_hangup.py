@@ -1,5 +1,6 @@
 """``HangUpCancels``: a hang-up cancels the task that entered the watch, only while it is
-entered, and only a cancel the hang-up alone requested is absorbed. Its two users are tested
+entered, and only a cancel the hang-up alone requested is absorbed; the same whether the
+server's ``HangUpSignal`` tells it or a watcher task waiting on ``receive()`` does. Its two users are tested
 through their own behaviour: ``test_unless_client_leaves.py`` (admission) and the streaming
 tests (``EventStream``)."""
 
@@ -9,7 +10,13 @@ import asyncio
 
 import pytest
 
-from gateway.serving.hangup import HangUpCancels
+from gateway.serving.hangup import (
+    HANG_UP_EXTENSION,
+    ClientGone,
+    HangUpCancels,
+    HangUpSignal,
+    client_gone_of,
+)
 
 
 class Client:
@@ -92,3 +99,73 @@ async def test_entering_outside_a_task_is_refused() -> None:
 
     loop.call_soon(call)
     assert "from a task" in str(await failed)
+
+
+class SignalledClient:
+    """A client whose server fires a ``HangUpSignal`` (the gateway's own HTTP server)."""
+
+    def __init__(self) -> None:
+        self.signal = HangUpSignal()
+
+    @property
+    def gone(self) -> ClientGone:
+        return self.signal
+
+    def leave(self) -> None:
+        self.signal.fire()
+
+
+async def test_the_servers_signal_cancels_at_once_and_is_absorbed() -> None:
+    client = SignalledClient()
+    asyncio.get_running_loop().call_later(0.01, client.leave)
+    with HangUpCancels(client.gone) as watch, pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(5)
+    assert watch.client_left
+    assert watch.absorb_hang_up()
+    assert _task().cancelling() == 0
+
+
+async def test_a_signal_fired_before_the_watch_cancels_the_first_wait() -> None:
+    client = SignalledClient()
+    client.leave()
+    with HangUpCancels(client.gone) as watch, pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(5)
+    assert watch.absorb_hang_up()
+
+
+async def test_a_signal_after_the_watch_ended_cancels_nothing_and_keeps_no_subscriber() -> None:
+    client = SignalledClient()
+    with HangUpCancels(client.gone) as watch:
+        await asyncio.sleep(0)
+    assert client.signal._callbacks == []  # the ended watch let go of the task
+    client.leave()
+    await asyncio.sleep(0.01)
+    assert not watch.client_left
+    assert _task().cancelling() == 0
+
+
+async def test_another_cancel_beside_the_signal_is_not_absorbed() -> None:
+    client = SignalledClient()
+    task = _task()
+    with HangUpCancels(client.gone) as watch:
+        client.leave()
+        task.cancel()  # the server stops the request too
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(5)
+    assert watch.client_left
+    assert not watch.absorb_hang_up()
+    assert task.uncancel() == 0
+
+
+async def test_the_scope_s_signal_is_used_when_the_server_gives_one() -> None:
+    signal = HangUpSignal()
+
+    async def receive() -> dict[str, object]:
+        raise AssertionError("with a signal, nothing waits on receive()")
+
+    assert client_gone_of({"extensions": {HANG_UP_EXTENSION: signal}}, receive) is signal
+    other = client_gone_of({"type": "http"}, receive)
+    assert not isinstance(other, HangUpSignal)
+    with HangUpCancels(other) as watch:  # the watcher task calls receive(): its failure is
+        await asyncio.sleep(0.01)  # only logged, the task is left alone
+    assert not watch.client_left

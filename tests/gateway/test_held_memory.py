@@ -1,5 +1,6 @@
 """What a request does not keep while its response streams (docs/ARCHITECTURE.md, the memory
-paragraph of the hot path): its raw body once parsed, an event once written, a connection the
+paragraph of the hot path): its raw body once parsed, an event once written, its headers once
+sent, an event object nobody waits on, a task watching for the hang-up, a connection the
 client reset. Each is a copy per open stream, or a whole connection's objects per reset one.
 
 "Not kept" is read off the garbage collector (the test holds the object in one list of its
@@ -25,6 +26,8 @@ from starlette.types import Message, Receive, Scope, Send
 from core.jsonbytes import dumps_to_keep
 from gateway.cli.http_protocol import LimitedHttpToolsProtocol, limited_httptools
 from gateway.limits import RequestLimits, RequestLimitsMiddleware
+from gateway.serving.events import ResponseHead
+from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
 from gateway.serving.routes import _json_body
 from gateway.serving.sse import EventStream
 from tests.gateway.conftest import _free_port, wait_until
@@ -126,6 +129,89 @@ async def test_an_event_written_is_not_held_while_the_next_is_awaited() -> None:
     assert kept_nowhere
 
 
+async def test_a_stream_lets_go_of_its_headers_once_sent() -> None:
+    sent: list[Message] = []
+    next_event = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'{"choices": []}'
+        await next_event.wait()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def closed() -> None:
+        return None
+
+    headers = {f"x-ratelimit-{n}": "1000" for n in range(6)}
+    stream = EventStream(events(), headers, 0, closed)
+    streaming = asyncio.create_task(stream({"type": "http"}, _never_leaves, send))
+    await wait_until(lambda: len(sent) == 2)  # the start and the first event
+    assert (b"x-ratelimit-0", b"1000") in sent[0]["headers"]
+    assert stream.raw_headers == []
+    next_event.set()
+    await streaming
+
+
+async def test_a_response_head_makes_an_event_only_for_a_waiter() -> None:
+    head = ResponseHead({})
+    head.quota_reserved({"x-ratelimit-limit-tokens": "100"})
+    await head.quota_answered()  # answered already: nothing to wait on, nothing made
+    assert head._answered is None
+
+    waiting = ResponseHead({})
+    waiter = asyncio.create_task(waiting.quota_answered())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    waiting.admission_ended(None)
+    await asyncio.wait_for(waiter, 1)
+
+
+async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_response() -> None:
+    """The gateway's own server tells a request its client left (no task waiting on
+    ``receive()``), and a kept-alive connection holds no signal of a finished request."""
+    signals: list[HangUpSignal] = []
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        signals.append(scope["extensions"][HANG_UP_EXTENSION])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/wait":
+            await release.wait()  # a stream the client leaves
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = _free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+        http=limited_httptools(RequestLimits()),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(3):
+            writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"\r\n0\r\n\r\n"):
+                answer += await reader.read(4096)
+        (protocol,) = _live_protocols()
+        assert protocol._hang_ups == []  # three requests answered, none still held
+        assert not any(signal.fired for signal in signals)
+
+        writer.write(b"GET /wait HTTP/1.1\r\nHost: tandem\r\n\r\n")
+        await wait_until(lambda: len(signals) == 4)
+        writer.close()  # the client leaves mid-response
+        await wait_until(lambda: signals[3].fired)
+        assert not any(signal.fired for signal in signals[:3])
+    finally:
+        release.set()
+        server.should_exit = True
+        await serving
+
+
 def test_a_kept_document_is_its_own_length() -> None:
     document = {"choices": [{"index": 0, "delta": {"content": "hello"}}]}
     tracemalloc.start()
@@ -175,8 +261,17 @@ async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
 
 
 def _protocols() -> int:
+    return len(_live_protocols())
+
+
+def _live_protocols() -> list[LimitedHttpToolsProtocol]:
     gc.collect()
-    return sum(isinstance(item, LimitedHttpToolsProtocol) for item in gc.get_objects())
+    return [item for item in gc.get_objects() if isinstance(item, LimitedHttpToolsProtocol)]
+
+
+async def _never_leaves() -> Message:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
 
 
 async def _no_send(message: Message) -> None:

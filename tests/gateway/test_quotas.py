@@ -70,13 +70,19 @@ async def quota_stack(store: StoreConfig, tmp_path: Path) -> AsyncIterator[FakeS
         yield fake_stack
 
 
+@asynccontextmanager
+async def _one_slot_stack(tmp_path: Path, http: str | None = None) -> AsyncIterator[FakeStack]:
+    access = _access(tmp_path, max_in_flight_per_worker=1, max_queue=4)
+    async with make_fake_stack(access=access, http=http) as fake_stack:
+        fake_stack.decode.token_delay_s = 0.2
+        yield fake_stack
+
+
 @pytest.fixture
 async def one_slot(tmp_path: Path) -> AsyncIterator[FakeStack]:
     """A gateway that runs one request at a time (one decode worker, one request each), so a
     second request waits in the fair queue; its decode engine is slow until a test says."""
-    access = _access(tmp_path, max_in_flight_per_worker=1, max_queue=4)
-    async with make_fake_stack(access=access) as fake_stack:
-        fake_stack.decode.token_delay_s = 0.2
+    async with _one_slot_stack(tmp_path) as fake_stack:
         yield fake_stack
 
 
@@ -428,31 +434,35 @@ async def test_a_queued_request_reports_its_queue_time(one_slot: FakeStack) -> N
     assert await _metric(stack, "tandem_admission_queued") == 0
 
 
-async def test_a_client_leaving_the_queue_leaves_at_once(one_slot: FakeStack) -> None:
-    stack = one_slot
-    api_key = await stack.new_tenant("waiter", tpm=120, max_concurrent=5)
-    async with _holding_the_slot(stack):
-        waiting = asyncio.create_task(_post(stack, api_key, _chat(max_tokens=50)))
-        await _wait_for_metric(stack, "tandem_admission_queued", 1)
-        usage = await _usage(stack, "waiter")
-        assert (usage["queued_here"], usage["concurrent"]) == (1, 1)
+@pytest.mark.parametrize("http", [None, "h11"], ids=["gateway", "h11"])
+async def test_a_client_leaving_the_queue_leaves_at_once(tmp_path: Path, http: str | None) -> None:
+    # The gateway's own server signals the hang-up; another server is watched via receive().
+    async with _one_slot_stack(tmp_path, http) as stack:
+        api_key = await stack.new_tenant("waiter", tpm=120, max_concurrent=5)
+        async with _holding_the_slot(stack):
+            waiting = asyncio.create_task(_post(stack, api_key, _chat(max_tokens=50)))
+            await _wait_for_metric(stack, "tandem_admission_queued", 1)
+            usage = await _usage(stack, "waiter")
+            assert (usage["queued_here"], usage["concurrent"]) == (1, 1)
 
-        waiting.cancel()  # the client hangs up
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        # Out of the queue while the slot is still held: only the hang-up can have done it.
-        await _wait_for_metric(stack, "tandem_admission_queued", 0)
-        usage = await _usage(stack, "waiter")
-        assert (usage["queued_here"], usage["concurrent"]) == (0, 0)
-        # Full again: 65 tokens taken and not given back would need 30 s to refill at 2/s.
-        assert usage["tokens"]["remaining"] == 120, "its reservation was refunded"
-        stack.decode.token_delay_s = 0.0
-    # It never reached an engine, even once the slot was free: a request sent now is served
-    # next (had the hang-up stayed queued, it would have run first, being ahead in the queue).
-    after = await _post(stack, api_key, _chat("after the slot freed", max_tokens=4))
-    assert after.status_code == 200
-    served = [request["body"]["messages"][0]["content"] for request in stack.decode.stats.requests]
-    assert served == [QUESTION_TEXT, "after the slot freed"]
+            waiting.cancel()  # the client hangs up
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            # Out of the queue while the slot is still held: only the hang-up can have done it.
+            await _wait_for_metric(stack, "tandem_admission_queued", 0)
+            usage = await _usage(stack, "waiter")
+            assert (usage["queued_here"], usage["concurrent"]) == (0, 0)
+            # Full again: 65 tokens taken and not given back would need 30 s to refill at 2/s.
+            assert usage["tokens"]["remaining"] == 120, "its reservation was refunded"
+            stack.decode.token_delay_s = 0.0
+        # It never reached an engine, even once the slot was free: a request sent now is served
+        # next (had the hang-up stayed queued, it would have run first, being ahead in the queue).
+        after = await _post(stack, api_key, _chat("after the slot freed", max_tokens=4))
+        assert after.status_code == 200
+        served = [
+            request["body"]["messages"][0]["content"] for request in stack.decode.stats.requests
+        ]
+        assert served == [QUESTION_TEXT, "after the slot freed"]
 
 
 async def test_a_full_queue_sheds_with_503_overloaded(tmp_path: Path) -> None:

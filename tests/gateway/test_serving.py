@@ -305,17 +305,21 @@ async def test_decode_dying_mid_stream_ends_with_one_error_event(fake_stack: Fak
     await wait_until(lambda: fake_stack.decode_pool.workers[0].num_outstanding == 0)
 
 
-async def test_client_disconnect_aborts_the_engine_request(fake_stack: FakeStack) -> None:
-    fake_stack.decode.token_delay_s = 0.05
-    stream = await fake_stack.client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=200, stream=True
-    )
-    async for _ in stream:
-        break
-    await stream.close()
-    await wait_until(lambda: fake_stack.decode.stats.num_aborted == 1)
-    await wait_until(lambda: fake_stack.decode_pool.workers[0].num_outstanding == 0)
-    assert fake_stack.decode.stats.num_running == 0
+@pytest.mark.parametrize("http", [None, "httptools", "h11"], ids=["gateway", "httptools", "h11"])
+async def test_client_disconnect_aborts_the_engine_request(http: str | None) -> None:
+    # The gateway's own server signals the hang-up (gateway/cli/http_protocol.py); any other
+    # server is watched through receive() (gateway/serving/hangup.py).
+    async with make_fake_stack(http=http) as stack:
+        stack.decode.token_delay_s = 0.05
+        stream = await stack.client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=200, stream=True
+        )
+        async for _ in stream:
+            break
+        await stream.close()
+        await wait_until(lambda: stack.decode.stats.num_aborted == 1)
+        await wait_until(lambda: stack.decode_pool.workers[0].num_outstanding == 0)
+        assert stack.decode.stats.num_running == 0
 
 
 async def test_bad_bodies_are_400_in_openai_shape(fake_stack: FakeStack) -> None:

@@ -139,6 +139,22 @@ def test_busy_counts_requests_in_flight_and_kv_still_to_read() -> None:
     assert not worker.busy
 
 
+def test_a_lease_counts_once_held_and_gives_back_once() -> None:
+    (worker,) = workers(0)
+    with worker.lease() as leased, worker.lease():
+        assert leased is worker
+        assert worker.num_outstanding == 2
+    assert worker.num_outstanding == 0
+    with pytest.raises(RuntimeError), worker.lease():
+        raise RuntimeError("the request failed")
+    assert worker.num_outstanding == 0
+    held = worker.lease().hold().hold()  # a stream's lease, held across calls
+    assert worker.num_outstanding == 1
+    held.release()
+    held.release()  # a close after a close: nothing more to give back
+    assert worker.num_outstanding == 0
+
+
 def test_holding_kv_counts_nested_legs_and_releases_on_an_exception() -> None:
     (worker,) = workers(0)
     with worker.holding_kv() as held, worker.holding_kv():
