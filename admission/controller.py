@@ -108,18 +108,17 @@ class Admission:
         """Free the queue slot and reconcile the reservation with what was really used
         (``ran=False``: no engine saw the request, so its request unit comes back too).
 
-        Idempotent. Shielded, so a client that leaves mid-settle cannot leave the reservation
-        half done; a store outage is logged, the tokens stay charged and the hold expires.
+        Idempotent. Runs to the end (``reconcile_to_the_end``), so a client that leaves
+        mid-settle cannot leave the reservation half done; a store outage is logged, the tokens
+        stay charged and the hold expires.
         """
         if self._settled:
             return
         self._settled = True
         self._slot.release()
         if self._reservation is not None:
-            await asyncio.shield(
-                self._controller.reconcile(
-                    self._reservation, self.tenant.plan, used_tokens, ran=ran
-                )
+            await self._controller.reconcile_to_the_end(
+                self._reservation, self.tenant.plan, used_tokens, ran=ran
             )
 
 
@@ -161,7 +160,7 @@ class AdmissionController:
         except BaseException:
             # Shed, deadline or client gone while queued: nothing ran, so nothing is owed.
             if reservation is not None:
-                await asyncio.shield(self.reconcile(reservation, plan, 0, ran=False))
+                await self.reconcile_to_the_end(reservation, plan, 0, ran=False)
             raise
         return Admission(self, tenant, estimate, reservation, slot)
 
@@ -177,6 +176,18 @@ class AdmissionController:
                 "quota store unavailable: reservation %s of tenant %s stays charged (%s)",
                 reservation.reservation_id, reservation.tenant_id, exc,
             )  # fmt: skip
+
+    async def reconcile_to_the_end(
+        self, reservation: Reservation, plan: Plan, used_tokens: int, *, ran: bool = True
+    ) -> None:
+        """``reconcile``, which a cancellation (the client left) does not cut short: shielded,
+        unless the store answers at once (as for the reservation: nothing can cut a call that
+        never suspends, and the shield's task was a hop and a task every request)."""
+        reconciling = self.reconcile(reservation, plan, used_tokens, ran=ran)
+        if self._quotas.answers_at_once:
+            await reconciling
+        else:
+            await asyncio.shield(reconciling)
 
     async def forget(self, tenant_id: str) -> None:
         """Drop a deleted tenant's counters (raises ``StoreUnavailable``)."""
@@ -216,7 +227,7 @@ class AdmissionController:
             if not reserving.cancelled() and reserving.exception() is None:
                 reservation = reserving.result()
                 if reservation is not None:
-                    await asyncio.shield(self.reconcile(reservation, tenant.plan, 0, ran=False))
+                    await self.reconcile_to_the_end(reservation, tenant.plan, 0, ran=False)
             raise
 
     async def _reserve(self, tenant: Tenant, estimate: TokenEstimate) -> Reservation | None:

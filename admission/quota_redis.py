@@ -18,8 +18,8 @@ Numbers travel as strings both ways, because Redis truncates a Lua number reply 
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from secrets import token_hex
 from typing import Any, TypeVar
-from uuid import uuid4
 
 from admission.plans import QuotaLimits
 from admission.quota import (
@@ -156,7 +156,7 @@ class RedisQuotaStore:
         """Atomically take one request, ``tokens`` tokens and a concurrency hold that expires
         after ``hold_s`` seconds, or nothing."""
         check_reserve_args(tokens, hold_s)
-        reservation_id = uuid4().hex
+        reservation_id = token_hex(16)
         args = [
             *_capacities(limits),
             _cap(limits.max_concurrent),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import secrets
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,7 +148,7 @@ class RequestFlow:
         self._shadow = resolved.shadow
         self._shadow_max_in_flight = resolved.shadow_max_in_flight
         request = Request.receive(
-            uuid.uuid4().hex, endpoint, model, body,
+            secrets.token_hex(16), endpoint, model, body,
             tenant_id=tenant_id, key_id=key_id, deadline=deadline,
         )  # fmt: skip
         request.resolved_by = resolved.reason
