@@ -46,8 +46,8 @@ from gateway.serving.events import (
     StreamEnd,
     answer_of,
 )
-from gateway.serving.gate import Gate, unless_client_leaves
-from gateway.serving.hangup import ClientGone
+from gateway.serving.gate import Gate
+from gateway.serving.hangup import ClientGone, unless_client_leaves
 from gateway.serving.idempotent import IdempotentKey, IdempotentRuns
 from gateway.serving.output_filter import CONTENT_FILTER, OutputFilter
 from gateway.serving.relay import Relay, log_request_end

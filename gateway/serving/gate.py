@@ -10,12 +10,10 @@ server does not cancel a handler whose client left, so admission races the clien
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from admission.controller import (
     Admission,
@@ -25,7 +23,6 @@ from admission.controller import (
 )
 from admission.tokens import COMPLETIONS_DEFAULT_MAX_TOKENS, TokenCounters, estimate_tokens
 from core.errors import (
-    ClientDisconnectedError,
     OverloadedError,
     TandemError,
 )
@@ -35,11 +32,9 @@ from core.request import Request
 from gateway.auth import Authenticator, Caller
 from gateway.metrics import GatewayMetrics
 from gateway.serving.deadlines import deadline_error
-from gateway.serving.hangup import ClientGone, HangUpCancels
+from gateway.serving.hangup import ClientGone, unless_client_leaves
 
 log = logging.getLogger("tandem.admission")
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,35 +183,6 @@ def cap_output_tokens(request: Request, plan_max: int | None) -> None:
             request.cap_output(model.within_window(plan_max))
     elif chat and model.output_cap is not None:
         request.cap_output(model.output_cap)
-
-
-async def unless_client_leaves(
-    work: Awaitable[T],
-    client_gone: ClientGone,
-    gone_message: str,
-    discard: Callable[[T], Awaitable[None]] | None = None,
-) -> T:
-    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
-    queue entry leaves, an engine call is aborted) and ``ClientDisconnectedError`` raised. A
-    result that ``work`` returns all the same (it finished as the hang-up came) goes to
-    ``discard``, since nobody will use it. ``work`` runs in the caller's own task
-    (``HangUpCancels``)."""
-    with HangUpCancels(client_gone) as watch:
-        try:
-            result = await work
-        except asyncio.CancelledError:
-            if watch.absorb_hang_up():
-                raise ClientDisconnectedError(gone_message) from None
-            raise  # cancelled from elsewhere (the server stopping) too: that goes on up
-        except BaseException:
-            watch.absorb_hang_up()  # ``work`` failed on its own as the hang-up came: that goes up
-            raise
-    if watch.client_left:  # ``work`` finished despite the cancel: the hang-up still wins
-        watch.absorb_hang_up()
-        if discard is not None:
-            await discard(result)
-        raise ClientDisconnectedError(gone_message)
-    return result
 
 
 async def _settle_unused(admission: Admission) -> None:

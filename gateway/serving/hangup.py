@@ -16,8 +16,10 @@ Two ways to hear the hang-up (``ClientGone``):
   ``http.disconnect``, run in a watcher task for as long as the watch lasts.
 
 The task then tells that cancel apart from any other (the server stopping) with
-``absorb_hang_up``: only a cancel the hang-up alone requested is absorbed. Used by admission
-(``gate.unless_client_leaves``) and by the streaming response (``sse.EventStream``).
+``absorb_hang_up``: only a cancel the hang-up alone requested is absorbed. ``unless_client_leaves``
+turns a hang-up into ``ClientDisconnectedError`` for one piece of work; it is how admission
+(``gate.py``), a non-streaming answer (``flow.py``) and a stream's wait to commit (``sse.py``)
+watch, and ``sse.EventStream`` watches its stream itself.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.types import Receive
 
+from core.errors import ClientDisconnectedError
+
 log = logging.getLogger("tandem.requests")
+
+T = TypeVar("T")
 
 HANG_UP_EXTENSION = "tandem.hang_up"
 """The ASGI scope extension under which a server puts a request's ``HangUpSignal``."""
@@ -158,3 +164,32 @@ class HangUpCancels:
         assert self._task is not None
         self.client_left = True
         self._task.cancel()
+
+
+async def unless_client_leaves(
+    work: Awaitable[T],
+    client_gone: ClientGone,
+    gone_message: str,
+    discard: Callable[[T], Awaitable[None]] | None = None,
+) -> T:
+    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (a
+    queue entry leaves, an engine call is aborted) and ``ClientDisconnectedError`` raised. A
+    result that ``work`` returns all the same (it finished as the hang-up came) goes to
+    ``discard``, since nobody will use it. ``work`` runs in the caller's own task
+    (``HangUpCancels``)."""
+    with HangUpCancels(client_gone) as watch:
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if watch.absorb_hang_up():
+                raise ClientDisconnectedError(gone_message) from None
+            raise  # cancelled from elsewhere (the server stopping) too: that goes on up
+        except BaseException:
+            watch.absorb_hang_up()  # ``work`` failed on its own as the hang-up came: that goes up
+            raise
+    if watch.client_left:  # ``work`` finished despite the cancel: the hang-up still wins
+        watch.absorb_hang_up()
+        if discard is not None:
+            await discard(result)
+        raise ClientDisconnectedError(gone_message)
+    return result

@@ -20,7 +20,7 @@ from core.models import ServedModel
 from gateway.errors import invalid_request_from_validation
 from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
 from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
-from gateway.serving.hangup import client_gone_of
+from gateway.serving.hangup import ClientGone, client_gone_of
 from gateway.serving.idempotent import replay_response
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.sse import serve_stream
@@ -146,20 +146,18 @@ async def _serve(
         body_fingerprint = fingerprint(body) if idempotency_key else ""
         request = flow.receive(endpoint, body, caller, deadline, headers.get(SESSION_HEADER))
         trace.received(request)
+        client_gone = client_gone_of(http_request.scope, http_request.receive)
         outcome = await flow.serve(
-            request,
-            caller,
-            idempotency_key,
-            body_fingerprint,
-            client_gone_of(http_request.scope, http_request.receive),
-            trace,
+            request, caller, idempotency_key, body_fingerprint, client_gone, trace
         )
     except BaseException as exc:
         trace.end(error=exc)
         raise
     if isinstance(outcome, Replayed):
         trace.end()
-    return await _render(outcome, request.stream, request.include_usage, endpoint, services)
+    return await _render(
+        outcome, request.stream, request.include_usage, endpoint, services, client_gone
+    )
 
 
 async def _render(
@@ -168,6 +166,7 @@ async def _render(
     include_usage: bool,
     endpoint: Endpoint,
     services: ServingServices,
+    client_gone: ClientGone,
 ) -> Response:
     if isinstance(outcome, Replayed):
         return replay_response(outcome.stored, endpoint, stream, include_usage)
@@ -175,7 +174,7 @@ async def _render(
         return Response(
             orjson.dumps(outcome.body), media_type="application/json", headers=outcome.headers
         )
-    return await serve_stream(outcome.source, services.ping_interval_s)
+    return await serve_stream(outcome.source, services.ping_interval_s, client_gone)
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:

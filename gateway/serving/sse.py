@@ -29,7 +29,12 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from core.errors import TandemError
-from gateway.serving.hangup import HangUpCancels, client_gone_of
+from gateway.serving.hangup import (
+    ClientGone,
+    HangUpCancels,
+    client_gone_of,
+    unless_client_leaves,
+)
 
 log = logging.getLogger("tandem.requests")
 
@@ -178,18 +183,22 @@ async def _aclose(events: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response:
+async def serve_stream(
+    source: StreamSource, ping_interval_s: float, client_gone: ClientGone
+) -> Response:
     """The streaming response for ``source``: committed at once if it opens within one
-    heartbeat interval (errors then raise, as HTTP statuses), else committed with a ping."""
+    heartbeat interval (errors then raise, as HTTP statuses), else committed with a ping.
+
+    A client that hangs up before then ends the request at once (``ClientDisconnectedError``):
+    the engine's work on its first token is aborted, not left running until the stream would
+    have committed (a heartbeat interval, or a long prompt's prefill)."""
     opening = asyncio.ensure_future(source.open_stream())
     try:
-        await asyncio.wait((opening,), timeout=ping_interval_s or None)
-        if not opening.done():  # only slow requests pay for the second wait
-            answered = asyncio.ensure_future(source.quota_answered())
-            try:
-                await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                await _cancel(answered)
+        await unless_client_leaves(
+            _committable(opening, source, ping_interval_s),
+            client_gone,
+            "The client closed the connection before the first token.",
+        )
     except BaseException:
         await _cancel(opening)
         await source.aclose()
@@ -215,6 +224,20 @@ async def serve_stream(source: StreamSource, ping_interval_s: float) -> Response
         close,
         heartbeat_first=True,
     )
+
+
+async def _committable(
+    opening: asyncio.Future[None], source: StreamSource, ping_interval_s: float
+) -> None:
+    """Returns once the stream may commit: opened, or one heartbeat interval passed and the
+    quota store answered (``opening`` goes on)."""
+    await asyncio.wait((opening,), timeout=ping_interval_s or None)
+    if not opening.done():  # only slow requests pay for the second wait
+        answered = asyncio.ensure_future(source.quota_answered())
+        try:
+            await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel(answered)
 
 
 async def _after_opening(

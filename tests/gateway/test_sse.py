@@ -13,11 +13,12 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from core.errors import RateLimitError, TandemError
 from gateway.errors import install_error_handlers
+from gateway.serving.hangup import client_gone_of
 from gateway.serving.sse import serve_stream
 from tests.gateway.conftest import _free_port, wait_until
 
@@ -65,8 +66,10 @@ async def _serving(source: ScriptedSource) -> AsyncIterator[httpx.AsyncClient]:
     install_error_handlers(app)
 
     @app.post("/stream")
-    async def stream() -> Response:
-        return await serve_stream(source, PING_INTERVAL_S)
+    async def stream(request: Request) -> Response:
+        return await serve_stream(
+            source, PING_INTERVAL_S, client_gone_of(request.scope, request.receive)
+        )
 
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -195,3 +195,35 @@ async def test_a_client_leaving_a_non_streaming_request_stops_the_engine(
     await wait_until(lambda: stack.decode.stats.num_aborted == 1)
     await wait_until(lambda: stack.decode_pool.workers[0].num_outstanding == 0)
     assert stack.decode.stats.num_running == 0
+
+
+@pytest.mark.parametrize("http", [None, "h11"], ids=["gateway", "h11"])
+async def test_a_client_leaving_a_stream_before_its_first_token_stops_the_engine(
+    http: str | None,
+) -> None:
+    """A stream commits at its first token or after a heartbeat interval (60 s here): a client
+    that leaves before either is heard at once, not when the stream would have committed."""
+    async with make_fake_stack(
+        gateway={"sse_ping_interval_s": 60.0},
+        http=http,
+        prefill_timeout_s=60,
+        decode_idle_timeout_s=60,
+        first_byte_timeout_s=60,
+    ) as stack:
+        engines = (stack.prefill, stack.decode)
+        for engine in engines:
+            engine.first_token_delay_s = 30.0
+        async with httpx.AsyncClient(base_url=stack.base_url, headers=stack.auth_headers) as client:
+            call = asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True},
+                )
+            )
+            await wait_until(lambda: sum(e.stats.num_running for e in engines) == 1)
+            call.cancel()  # the client hangs up while the engine works on its first token
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        await wait_until(lambda: sum(e.stats.num_aborted for e in engines) == 1)
+        await wait_until(lambda: sum(e.stats.num_running for e in engines) == 0)
+        await wait_until(lambda: all(w.num_outstanding == 0 for w in stack.decode_pool.workers))

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from core.errors import ClientDisconnectedError
-from gateway.serving.gate import unless_client_leaves
+from gateway.serving.hangup import unless_client_leaves
 
 
 class Client:
