@@ -315,6 +315,45 @@ async def test_hold_expires_on_its_own(harness: Harness) -> None:
     assert (await harness.store.snapshot(TENANT, limits)).concurrent == 1
 
 
+async def test_holds_of_different_lengths_each_expire_at_their_own_time(
+    harness: Harness,
+) -> None:
+    limits = QuotaLimits(tpm=None, rpm=None, max_concurrent=2)
+    await harness.reserve(limits, 10, hold_s=3.0)
+    await harness.reserve(limits, 10, hold_s=0.5)  # taken later, expires first
+    await harness.deny(limits, 10)
+
+    await harness.advance(0.6)
+    await harness.reserve(limits, 10, hold_s=3.0)  # the short hold's slot, freed on its own
+    await harness.deny(limits, 10)
+
+
+def test_released_holds_leave_the_memory_store_no_backlog() -> None:
+    """Each hold's expiry is also kept in a heap (dropping the expired ones costs what they
+    are, not a scan of every hold); a released hold's entry stays there until it is rebuilt."""
+    clock = FakeClock()
+    store = MemoryQuotaStore(clock)
+    limits = QuotaLimits(tpm=None, rpm=None, max_concurrent=None)
+
+    async def churn() -> None:
+        held = [await store.reserve(TENANT, limits, 1, HOLD_S) for _ in range(10)]
+        for _ in range(1_000):  # a stream ends and the next starts, 10 always open
+            finished = held.pop(0)
+            assert isinstance(finished, Reservation)
+            await store.reconcile(finished, limits, 1)
+            held.append(await store.reserve(TENANT, limits, 1, HOLD_S))
+
+    asyncio.run(churn())
+    holds = store._tenants[TENANT].holds
+    assert len(holds) == 10
+    assert len(holds._by_expiry) <= 2 * len(holds) + 64
+
+    clock.now += HOLD_S  # every hold expires, the released ones' entries are popped too
+    asyncio.run(store.reserve(TENANT, limits, 1, HOLD_S))
+    assert len(holds) == 1
+    assert len(holds._by_expiry) == 1
+
+
 async def test_unlimited_limits(harness: Harness) -> None:
     limits = QuotaLimits(tpm=None, rpm=None, max_concurrent=None)
     reservations = [await harness.reserve(limits, 10**9) for _ in range(3)]
