@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import gateway.cli.http_protocol as http_protocol
 import gateway.serving.events as events
 import gateway.serving.flow as flow
 import gateway.serving.gate as gate
@@ -29,6 +30,11 @@ import gateway.serving.sse as sse
 import gateway.serving.upstream as upstream
 
 MARKS_ENV = "TANDEM_TTFT_MARKS"
+
+HEAD = "head"
+"""Seconds at which the server finished parsing the request's head (before ``route``: the
+server's task start, the middleware and FastAPI's routing lie between)."""
+_HEAD_KEY = "tandem.ttft_marks.head"
 
 STEPS = (
     "auth_done", "body_read", "receive_start", "receive_end", "admit_start", "admit_end",
@@ -79,13 +85,23 @@ def _around_sync(owner: Any, name: str, before: str | None, after: str | None) -
 def install() -> None:
     """Wrap the serving path's steps (see ``STEPS``)."""
     serve = routes._serve
+    parse_head = http_protocol.LimitedHttpToolsProtocol.on_headers_complete
+
+    def head_parsed(self: http_protocol.LimitedHttpToolsProtocol) -> None:
+        parsed = time.perf_counter()
+        parse_head(self)
+        self.scope[_HEAD_KEY] = parsed  # type: ignore[literal-required]
 
     async def route(*args: Any, **kwargs: Any) -> Any:
         record = {"route": time.perf_counter()}
+        http_request = next(arg for arg in args if hasattr(arg, "scope"))
+        if (head := http_request.scope.get(_HEAD_KEY)) is not None:
+            record[HEAD] = head
         _records.append(record)
         _current.set(record)
         return await serve(*args, **kwargs)
 
+    http_protocol.LimitedHttpToolsProtocol.on_headers_complete = head_parsed  # type: ignore[method-assign]
     routes._serve = route
     _around_async(gate.Gate, "authenticate", None, "auth_done")
     _around_async(routes, "_json_body", None, "body_read")

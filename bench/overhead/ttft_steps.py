@@ -3,8 +3,9 @@
 ``python -m bench.overhead.ttft_steps [--duration-s 8]`` starts the fake engine and ``tandem
 up`` (colocated, auth and quotas on) with a timestamp at each step (``ttft_marks.py``), sends
 one streamed request at a time for ``--duration-s``, and prints each step's median time after
-the route's entry and the median step from the one before. The gateway's own time before the
-route (uvicorn's parsing, the middleware) is not in it.
+the route's entry and the median step from the one before; and, first, the median time from
+the server's having parsed the request's head to the route's entry (the ASGI task's start, the
+middleware, FastAPI's routing). The parsing itself and the network are not in it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.scaling_load import LoadArgs
 from bench.overhead.servers import wrapped_tandem_over_fake
-from bench.overhead.ttft_marks import MARKS_ENV, STEPS
+from bench.overhead.ttft_marks import HEAD, MARKS_ENV, STEPS
 
 MODEL = "fake-model"
 
@@ -41,6 +42,12 @@ def step_table(records: list[dict[str, float]]) -> list[tuple[str, float, float,
     return rows
 
 
+def head_to_route_ms(records: list[dict[str, float]]) -> float | None:
+    """Median ms from the head parsed to the route's entry; None when no record has both."""
+    gaps = [(r["route"] - r[HEAD]) * 1000 for r in records if HEAD in r and "route" in r]
+    return statistics.median(gaps) if gaps else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead.ttft_steps")
     parser.add_argument("--duration-s", type=float, default=8.0)
@@ -58,7 +65,11 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             subprocess.run(load.command(), check=True, capture_output=True)
         records = json.loads(marks.read_text())[args.skip :]  # written as the gateway exited
-    print(f"{len(records)} requests, one at a time; ms after the route's entry (medians)")
+    print(f"{len(records)} requests, one at a time (medians)")
+    before_route = head_to_route_ms(records)
+    if before_route is not None:
+        print(f"head parsed -> route entered: {before_route:.3f} ms")
+    print("ms after the route's entry:")
     print(f"{'step':20} {'at':>8} {'step':>8}")
     for step, at, gap, _ in step_table(records):
         print(f"{step:20} {at:8.3f} {gap:8.3f}")

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from admission.idempotency import HEADER as IDEMPOTENCY_HEADER
 from admission.idempotency import fingerprint, parse_idempotency_key
@@ -50,7 +53,31 @@ async def get_services(http_request: HttpRequest) -> ServingServices:
 ServicesDep = Annotated[ServingServices, Depends(get_services)]
 
 
-@router.post("/v1/chat/completions")
+class RawRoute(APIRoute):
+    """A route whose endpoint takes the raw request and returns its response, served without
+    FastAPI's per-request machinery: no dependency resolution, no exit stacks, no route-level
+    exception wrapper around the response and each of its sends. The app's exception handlers
+    still answer its errors (from the app's ``ExceptionMiddleware``, as for any route), and it
+    stays an ``APIRoute``: matched in its place, and in the OpenAPI document as before.
+
+    For the two hot routes: between the head parsed and the route's entry FastAPI's layers
+    took 0.2 ms of a streamed request's TTFT at one stream (``bench.overhead.ttft_steps``)."""
+
+    def __init__(
+        self, path: str, endpoint: Callable[[HttpRequest], Awaitable[Response]], **kwargs: Any
+    ) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        self.app = _raw_app(endpoint)
+
+
+def _raw_app(endpoint: Callable[[HttpRequest], Awaitable[Response]]) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        response = await endpoint(HttpRequest(scope, receive, send))
+        await response(scope, receive, send)
+
+    return app
+
+
 async def chat_completions(http_request: HttpRequest) -> Response:
     """OpenAI chat completions, streaming or not."""
     # The services are read here, not injected: a dependency costs FastAPI a resolution per
@@ -59,11 +86,18 @@ async def chat_completions(http_request: HttpRequest) -> Response:
     return await _serve(Endpoint.CHAT, ChatCompletionRequest, http_request, services)
 
 
-@router.post("/v1/completions")
 async def completions(http_request: HttpRequest) -> Response:
     """OpenAI (legacy) text completions, streaming or not."""
     services = serving_services(http_request)
     return await _serve(Endpoint.COMPLETIONS, CompletionRequest, http_request, services)
+
+
+router.add_api_route(
+    "/v1/chat/completions", chat_completions, methods=["POST"], route_class_override=RawRoute
+)
+router.add_api_route(
+    "/v1/completions", completions, methods=["POST"], route_class_override=RawRoute
+)
 
 
 @router.post("/v1/moderations")

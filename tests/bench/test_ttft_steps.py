@@ -6,7 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.overhead.ttft_steps import step_table
+import pytest
+
+from bench.overhead.ttft_steps import head_to_route_ms, step_table
 
 
 def test_steps_are_medians_after_the_route_and_after_the_step_before() -> None:
@@ -20,6 +22,17 @@ def test_steps_are_medians_after_the_route_and_after_the_step_before() -> None:
     assert rows["auth_done"] == (2.0, 2.0, 3)
     assert rows["admit_start"] == (4.0, 2.0, 3)
     assert rows["admit_end"] == (6.5, 2.5, 2)
+
+
+def test_the_time_before_the_route_is_the_median_from_the_head() -> None:
+    records = [
+        {"head": 9.999, "route": 10.0},
+        {"head": 19.997, "route": 20.0},
+        {"route": 30.0},  # served by another server: no head mark
+        {"head": 39.998, "route": 40.0},
+    ]
+    assert head_to_route_ms(records) == pytest.approx(2.0)
+    assert head_to_route_ms([{"route": 1.0}]) is None
 
 
 def test_the_marks_fit_the_serving_path() -> None:
