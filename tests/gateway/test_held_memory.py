@@ -16,12 +16,13 @@ import socket
 import struct
 import tracemalloc
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
 import uvicorn
 from starlette.requests import Request as HttpRequest
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.jsonbytes import dumps_to_keep
 from gateway.cli.http_protocol import LimitedHttpToolsProtocol, limited_httptools
@@ -182,34 +183,25 @@ async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_respons
             await release.wait()  # a stream the client leaves
         await send({"type": "http.response.body", "body": b"ok"})
 
-    port = _free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-        http=limited_httptools(RequestLimits()),
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        for _ in range(3):
-            writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
-            answer = b""
-            while not answer.endswith(b"\r\n0\r\n\r\n"):
-                answer += await reader.read(4096)
-        (protocol,) = _live_protocols()
-        assert protocol._hang_ups == []  # three requests answered, none still held
-        assert not any(signal.fired for signal in signals)
+    async with _gateway_protocol_serving(app) as port:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(3):
+                writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"\r\n0\r\n\r\n"):
+                    answer += await reader.read(4096)
+            (protocol,) = _live_protocols()
+            assert protocol._hang_ups == []  # three requests answered, none still held
+            assert not any(signal.fired for signal in signals)
 
-        writer.write(b"GET /wait HTTP/1.1\r\nHost: tandem\r\n\r\n")
-        await wait_until(lambda: len(signals) == 4)
-        writer.close()  # the client leaves mid-response
-        await wait_until(lambda: signals[3].fired)
-        assert not any(signal.fired for signal in signals[:3])
-    finally:
-        release.set()
-        server.should_exit = True
-        await serving
+            writer.write(b"GET /wait HTTP/1.1\r\nHost: tandem\r\n\r\n")
+            await wait_until(lambda: len(signals) == 4)
+            writer.close()  # the client leaves mid-response
+            await wait_until(lambda: signals[3].fired)
+            assert not any(signal.fired for signal in signals[:3])
+        finally:
+            release.set()  # before the server stops: it waits for its requests
 
 
 def test_a_kept_document_is_its_own_length() -> None:
@@ -235,15 +227,7 @@ async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    port = _free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-        http=limited_httptools(RequestLimits()), timeout_keep_alive=60,
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
+    async with _gateway_protocol_serving(app, timeout_keep_alive=60) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
         answer = b""
@@ -255,6 +239,21 @@ async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # SO_LINGER 0: the close is a reset
         await wait_until(lambda: _protocols() == 0, timeout_s=5.0)
+
+
+@asynccontextmanager
+async def _gateway_protocol_serving(app: ASGIApp, **options: Any) -> AsyncIterator[int]:
+    """``app`` on a real uvicorn server with the gateway's own HTTP protocol; yields its port."""
+    port = _free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+        http=limited_httptools(RequestLimits()), **options,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        yield port
     finally:
         server.should_exit = True
         await serving
