@@ -60,8 +60,8 @@ class RawRoute(APIRoute):
     still answer its errors (from the app's ``ExceptionMiddleware``, as for any route), and it
     stays an ``APIRoute``: matched in its place, and in the OpenAPI document as before.
 
-    For the two hot routes: between the head parsed and the route's entry FastAPI's layers
-    took 0.2 ms of a streamed request's TTFT at one stream (``bench.overhead.ttft_steps``)."""
+    For the two hot routes: from the head parsed to the route's entry went from 0.37 to 0.27
+    ms at one stream (``bench.overhead.ttft_steps``), and each open stream holds 6 KiB less."""
 
     def __init__(
         self, path: str, endpoint: Callable[[HttpRequest], Awaitable[Response]], **kwargs: Any
