@@ -20,13 +20,37 @@ from gateway.serving.hangup import (
 
 
 class Client:
-    """A client that hangs up when told to."""
+    """A client that hangs up when told to, heard by a watcher task (any ASGI server)."""
 
     def __init__(self) -> None:
         self.left = asyncio.Event()
 
     async def gone(self) -> None:
         await self.left.wait()
+
+    def leave(self) -> None:
+        self.left.set()
+
+
+class SignalledClient:
+    """A client whose server fires a ``HangUpSignal`` (the gateway's own HTTP server)."""
+
+    def __init__(self) -> None:
+        self.signal = HangUpSignal()
+
+    @property
+    def gone(self) -> ClientGone:
+        return self.signal
+
+    def leave(self) -> None:
+        self.signal.fire()
+
+
+@pytest.fixture(params=[Client, SignalledClient], ids=["watched", "signalled"])
+def client(request: pytest.FixtureRequest) -> Client | SignalledClient:
+    """Both ways a watch hears the hang-up: what follows holds for each."""
+    kind: type[Client | SignalledClient] = request.param
+    return kind()
 
 
 def _task() -> asyncio.Task[object]:
@@ -35,9 +59,10 @@ def _task() -> asyncio.Task[object]:
     return task
 
 
-async def test_a_hang_up_cancels_the_task_where_it_waits_and_is_absorbed() -> None:
-    client = Client()
-    asyncio.get_running_loop().call_later(0.01, client.left.set)
+async def test_a_hang_up_cancels_the_task_where_it_waits_and_is_absorbed(
+    client: Client | SignalledClient,
+) -> None:
+    asyncio.get_running_loop().call_later(0.01, client.leave)
     with HangUpCancels(client.gone) as watch, pytest.raises(asyncio.CancelledError):
         await asyncio.sleep(5)
     assert watch.client_left
@@ -45,11 +70,12 @@ async def test_a_hang_up_cancels_the_task_where_it_waits_and_is_absorbed() -> No
     assert _task().cancelling() == 0
 
 
-async def test_a_hang_up_after_the_watch_ended_cancels_nothing() -> None:
-    client = Client()
+async def test_a_hang_up_after_the_watch_ended_cancels_nothing(
+    client: Client | SignalledClient,
+) -> None:
     with HangUpCancels(client.gone) as watch:
         await asyncio.sleep(0)
-    client.left.set()
+    client.leave()
     await asyncio.sleep(0.01)  # a cancel, had one been sent, would land here
     assert not watch.client_left
     assert not watch.absorb_hang_up()
@@ -60,7 +86,7 @@ async def test_another_cancel_of_the_task_is_not_absorbed() -> None:
     client = Client()
     task = _task()
     with HangUpCancels(client.gone) as watch:
-        client.left.set()
+        client.leave()
         await asyncio.sleep(0)  # the watcher sees the hang-up
         task.cancel()  # and the server stops the request too
         with pytest.raises(asyncio.CancelledError):
@@ -101,30 +127,6 @@ async def test_entering_outside_a_task_is_refused() -> None:
     assert "from a task" in str(await failed)
 
 
-class SignalledClient:
-    """A client whose server fires a ``HangUpSignal`` (the gateway's own HTTP server)."""
-
-    def __init__(self) -> None:
-        self.signal = HangUpSignal()
-
-    @property
-    def gone(self) -> ClientGone:
-        return self.signal
-
-    def leave(self) -> None:
-        self.signal.fire()
-
-
-async def test_the_servers_signal_cancels_at_once_and_is_absorbed() -> None:
-    client = SignalledClient()
-    asyncio.get_running_loop().call_later(0.01, client.leave)
-    with HangUpCancels(client.gone) as watch, pytest.raises(asyncio.CancelledError):
-        await asyncio.sleep(5)
-    assert watch.client_left
-    assert watch.absorb_hang_up()
-    assert _task().cancelling() == 0
-
-
 async def test_a_signal_fired_before_the_watch_cancels_the_first_wait() -> None:
     client = SignalledClient()
     client.leave()
@@ -133,18 +135,9 @@ async def test_a_signal_fired_before_the_watch_cancels_the_first_wait() -> None:
     assert watch.absorb_hang_up()
 
 
-async def test_a_signal_after_the_watch_ended_cancels_nothing_and_keeps_no_subscriber() -> None:
-    client = SignalledClient()
-    with HangUpCancels(client.gone) as watch:
-        await asyncio.sleep(0)
-    assert client.signal._callbacks == []  # the ended watch let go of the task
-    client.leave()
-    await asyncio.sleep(0.01)
-    assert not watch.client_left
-    assert _task().cancelling() == 0
-
-
 async def test_another_cancel_beside_the_signal_is_not_absorbed() -> None:
+    # As the test above, without its loop turn: the signal cancels at once, so a wait between
+    # the hang-up and the server's cancel would already raise.
     client = SignalledClient()
     task = _task()
     with HangUpCancels(client.gone) as watch:
@@ -155,6 +148,13 @@ async def test_another_cancel_beside_the_signal_is_not_absorbed() -> None:
     assert watch.client_left
     assert not watch.absorb_hang_up()
     assert task.uncancel() == 0
+
+
+async def test_an_ended_watch_keeps_no_subscriber_on_the_signal() -> None:
+    client = SignalledClient()
+    with HangUpCancels(client.gone):
+        await asyncio.sleep(0)
+    assert client.signal._callbacks == []  # the ended watch let go of the task
 
 
 async def test_the_scope_s_signal_is_used_when_the_server_gives_one() -> None:

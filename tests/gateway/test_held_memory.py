@@ -114,15 +114,8 @@ async def test_an_event_written_is_not_held_while_the_next_is_awaited() -> None:
         if message.get("body", b"").startswith(b"data: {"):
             written.set()
 
-    async def never_leaves() -> Message:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    async def closed() -> None:
-        return None
-
-    stream = EventStream(events(), {}, 0, closed)
-    streaming = asyncio.create_task(stream({"type": "http"}, never_leaves, send))
+    stream = EventStream(events(), {}, 0, _nothing_to_close)
+    streaming = asyncio.create_task(stream({"type": "http"}, _never_leaves, send))
     await written.wait()
     kept_nowhere = _only_held_by(payloads[0], payloads)
     next_event.set()
@@ -141,11 +134,8 @@ async def test_a_stream_lets_go_of_its_headers_once_sent() -> None:
     async def send(message: Message) -> None:
         sent.append(message)
 
-    async def closed() -> None:
-        return None
-
     headers = {f"x-ratelimit-{n}": "1000" for n in range(6)}
-    stream = EventStream(events(), headers, 0, closed)
+    stream = EventStream(events(), headers, 0, _nothing_to_close)
     streaming = asyncio.create_task(stream({"type": "http"}, _never_leaves, send))
     await wait_until(lambda: len(sent) == 2)  # the start and the first event
     assert (b"x-ratelimit-0", b"1000") in sent[0]["headers"]
@@ -271,6 +261,10 @@ def _live_protocols() -> list[LimitedHttpToolsProtocol]:
 async def _never_leaves() -> Message:
     await asyncio.Event().wait()
     raise AssertionError("unreachable")
+
+
+async def _nothing_to_close() -> None:
+    return None
 
 
 async def _no_send(message: Message) -> None:
