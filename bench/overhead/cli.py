@@ -258,6 +258,9 @@ def _fake_config(
             ".venv-litellm/bin/pip install 'litellm[proxy]', or pass --litellm PATH)"
         )
     py_spy = Path(sys.executable).parent / "py-spy"
+    if args.profile and not py_spy.exists():
+        # Said before any target runs, not after the first one has.
+        raise SystemExit(f"--profile needs {py_spy}: scripts/install --dev installs py-spy")
     return FakeRunConfig(
         levels=levels,
         spec=spec,

@@ -15,6 +15,7 @@ import gc
 import socket
 import struct
 import tracemalloc
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.jsonbytes import dumps_to_keep
-from gateway.cli.http_protocol import LimitedHttpToolsProtocol, limited_httptools
+from gateway.cli.http_protocol import LeanEvent, LimitedHttpToolsProtocol, limited_httptools
 from gateway.limits import RequestLimits, RequestLimitsMiddleware
 from gateway.serving.events import ResponseHead
 from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
@@ -229,6 +230,78 @@ async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # SO_LINGER 0: the close is a reset
         await wait_until(lambda: _protocols() == 0, timeout_s=5.0)
+
+
+async def test_a_lean_event_wakes_its_waiters_as_an_event_does() -> None:
+    event = LeanEvent()
+    waiters = [asyncio.ensure_future(event.wait()) for _ in range(3)]
+    leaving = asyncio.ensure_future(event.wait())
+    await asyncio.sleep(0)
+    leaving.cancel()  # a waiter that gives up leaves the waiters
+    await asyncio.wait((leaving,))
+    assert len(event._waiters) == 3 and type(event._waiters) is list
+    event.set()
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 1) == [True, True, True]
+    assert event._waiters == []
+    assert await event.wait()  # set: returns at once
+    event.clear()
+    later = asyncio.ensure_future(event.wait())
+    await asyncio.sleep(0)
+    assert not later.done()
+    event.set()
+    assert await asyncio.wait_for(later, 1)
+
+
+async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains() -> None:
+    """uvicorn's three per-connection deques (0.75 KiB each, for a stream's whole life) are
+    lists here; pipelined requests are still answered in order, and a response larger than
+    the socket's buffers still waits for a slow reader (the flow control's event)."""
+    big = b"x" * (8 * 1024 * 1024)
+    release = asyncio.Event()
+    held: list[LimitedHttpToolsProtocol] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/wait":
+            (protocol,) = _live_protocols()
+            held.append(protocol)
+            await release.wait()
+        body = big if scope["path"] == "/big" else scope["path"].encode()
+        await send({"type": "http.response.body", "body": body})
+
+    async with _gateway_protocol_serving(app) as port:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n"
+            )
+            await wait_until(lambda: bool(held))
+            (protocol,) = held
+            deques = [
+                value
+                for holder in (protocol, protocol.flow, protocol.cycle)
+                for value in vars(holder).values()
+                if isinstance(value, deque)
+            ]
+            waiters = (protocol.flow._is_writable_event, protocol.cycle.message_event)
+            assert deques == [] and all(isinstance(e, LeanEvent) for e in waiters)
+            await wait_until(lambda: len(protocol.pipeline) == 1)  # /next waits its turn
+            release.set()
+            answers = b""
+            while answers.count(b"\r\n0\r\n\r\n") < 2:
+                answers += await reader.read(65536)
+            assert answers.index(b"/wait") < answers.index(b"/next")
+
+            writer.write(b"GET /big HTTP/1.1\r\nHost: t\r\n\r\n")
+            await wait_until(lambda: protocol.flow.write_paused)  # nobody reads: it waits
+            received = 0
+            while received < len(big):
+                received += len(await reader.read(1 << 20))
+            await wait_until(lambda: not protocol.flow.write_paused)
+        finally:
+            release.set()
 
 
 @asynccontextmanager
