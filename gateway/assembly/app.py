@@ -54,7 +54,7 @@ from gateway.serving.flow import ServingServices
 from gateway.serving.gate import Gate, GateConfig
 from gateway.serving.golden import EngineCompleter
 from gateway.serving.idempotent import IdempotencyConfig, IdempotentRuns
-from gateway.serving.routes import SERVING_STATE
+from gateway.serving.routes import SERVING_STATE, HotRoutes
 from gateway.serving.routes import router as openai_router
 from gateway.serving.routing import Router
 from gateway.serving.shadow import ShadowRunner
@@ -237,6 +237,8 @@ def create_app(
     app = FastAPI(title="Tandem", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     install_openapi(app, deployments.aliases)
+    # Innermost: the hot routes skip the framework's layers below the app's middleware.
+    app.add_middleware(HotRoutes, router=app.router)
     app.add_middleware(ClientAddress, trusted_proxies=config.access.auth_throttle.trusted_proxies)
     app.include_router(openai_router)
     app.include_router(admin_router)
