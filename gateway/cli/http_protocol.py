@@ -47,7 +47,7 @@ log = logging.getLogger("tandem.gateway")
 class LeanEvent(asyncio.Event):
     """An ``asyncio.Event`` whose waiters are a list, not a deque: an empty deque is 0.75 KiB
     and an empty list 56 bytes. ``Event`` only appends its waiters, iterates over them and
-    removes each one (``tests/gateway/test_http_protocol.py`` pins that it behaves alike)."""
+    removes each one (``tests/gateway/test_held_memory.py`` pins that it behaves alike)."""
 
     def __init__(self) -> None:
         super().__init__()

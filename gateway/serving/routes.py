@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -82,13 +83,14 @@ def _raw_app(endpoint: Callable[[HttpRequest], Awaitable[Response]]) -> ASGIApp:
             handler = handler_for(scope, exc)
             if handler is None:
                 raise  # the app's catch-all answers it (a 500 in OpenAI's shape) and logs it
-            response = await handler(http_request, exc)
+            handled = handler(http_request, exc)
+            response = await handled if inspect.isawaitable(handled) else handled
         await response(scope, receive, send)
 
     return app
 
 
-ExceptionHandler = Callable[[HttpRequest, Exception], Awaitable[Response]]
+ExceptionHandler = Callable[[HttpRequest, Exception], Awaitable[Response] | Response]
 
 
 def handler_for(scope: Scope, exc: Exception) -> ExceptionHandler | None:

@@ -30,6 +30,10 @@ SCOPES: list[dict[str, Any]] = []
 """The scope each request reached its endpoint with."""
 
 
+class _Teapot(Exception):
+    """Answered by a plain (not async) handler, as starlette allows."""
+
+
 def _app(hot: bool = False) -> FastAPI:
     raw = APIRouter()
 
@@ -48,11 +52,16 @@ def _app(hot: bool = False) -> FastAPI:
     async def buggy(http_request: HttpRequest) -> Response:
         raise KeyError("a bug")
 
+    async def teapot(http_request: HttpRequest) -> Response:
+        raise _Teapot()
+
     raw.add_api_route("/echo", echo, methods=["POST"], route_class_override=RawRoute)
     raw.add_api_route("/broken", broken, methods=["POST"], route_class_override=RawRoute)
     raw.add_api_route("/buggy", buggy, methods=["POST"], route_class_override=RawRoute)
+    raw.add_api_route("/teapot", teapot, methods=["POST"], route_class_override=RawRoute)
     app = FastAPI()
     install_error_handlers(app)
+    app.add_exception_handler(_Teapot, lambda _request, _exc: Response(status_code=418))
     app.include_router(raw)
     if hot:
         app.add_middleware(HotRoutes, router=app.router)
@@ -83,6 +92,8 @@ async def test_its_errors_get_the_apps_handlers_and_their_headers(hot: bool) -> 
     bad = await _post(_app(hot), "/broken", {})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "model"
+
+    assert (await _post(_app(hot), "/teapot", {})).status_code == 418
 
 
 @pytest.mark.parametrize("hot", [False, True], ids=["routed", "hot"])
@@ -128,7 +139,7 @@ def test_the_gateway_serves_its_hot_routes_innermost() -> None:
     ]
     deployment = Deployment(ServedModel("m", 256, 0), pools[0], pools[1])
     app = create_app(GatewayConfig(upstream=UpstreamConfig()), Deployments([deployment]))
-    layers = [middleware.cls for middleware in app.user_middleware]
+    layers: list[object] = [middleware.cls for middleware in app.user_middleware]
     # Inside ClientAddress: the route reads the client's address it sets.
     assert layers[-2:] == [ClientAddress, HotRoutes]
 
