@@ -258,15 +258,14 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
     the socket's buffers still waits for a slow reader (the flow control's event)."""
     big = b"x" * (8 * 1024 * 1024)
     release = asyncio.Event()
-    held: list[LimitedHttpToolsProtocol] = []
+    waiting = asyncio.Event()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         if scope["path"] == "/wait":
-            (protocol,) = _live_protocols()
-            held.append(protocol)
+            waiting.set()
             await release.wait()
         body = big if scope["path"] == "/big" else scope["path"].encode()
         await send({"type": "http.response.body", "body": body})
@@ -277,8 +276,9 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
             writer.write(
                 b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n"
             )
-            await wait_until(lambda: bool(held))
-            (protocol,) = held
+            await asyncio.wait_for(waiting.wait(), 5)
+            # This server's one connection (another test's server may still have some).
+            (protocol,) = [p for p in _live_protocols() if p.server and p.server[1] == port]
             deques = [
                 value
                 for holder in (protocol, protocol.flow, protocol.cycle)
