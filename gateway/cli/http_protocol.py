@@ -82,7 +82,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow = _lean_flow_control(transport)
+        _lean_writable_event(self.flow)
         self._start_head_timer()  # a connection that never sends a request is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -191,13 +191,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def _lean_flow_control(transport: asyncio.Transport) -> FlowControl:
-    """uvicorn's flow control with a ``LeanEvent`` (set: the transport starts writable)."""
-    flow = FlowControl(transport)
+def _lean_writable_event(flow: FlowControl) -> None:
+    """Give uvicorn's flow control a ``LeanEvent`` for its writable event, in the same state
+    (set unless writing is paused: nothing has paused it as the connection is made)."""
     writable = LeanEvent()
-    writable.set()
+    if not flow.write_paused:
+        writable.set()
     flow._is_writable_event = writable
-    return flow
 
 
 def limited_httptools(limits: RequestLimits) -> type[LimitedHttpToolsProtocol]:

@@ -182,7 +182,7 @@ async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_respons
                 answer = b""
                 while not answer.endswith(b"\r\n0\r\n\r\n"):
                     answer += await reader.read(4096)
-            (protocol,) = _live_protocols()
+            (protocol,) = _live_protocols(port)
             assert protocol._hang_ups == []  # three requests answered, none still held
             assert not any(signal.fired for signal in signals)
 
@@ -277,8 +277,7 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
                 b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n"
             )
             await asyncio.wait_for(waiting.wait(), 5)
-            # This server's one connection (another test's server may still have some).
-            (protocol,) = [p for p in _live_protocols() if p.server and p.server[1] == port]
+            (protocol,) = _live_protocols(port)
             deques = [
                 value
                 for holder in (protocol, protocol.flow, protocol.cycle)
@@ -326,9 +325,16 @@ def _protocols() -> int:
     return len(_live_protocols())
 
 
-def _live_protocols() -> list[LimitedHttpToolsProtocol]:
+def _live_protocols(port: int | None = None) -> list[LimitedHttpToolsProtocol]:
+    """The gateway protocols still alive; with ``port``, only that server's connections
+    (another test's server may still hold some)."""
     gc.collect()
-    return [item for item in gc.get_objects() if isinstance(item, LimitedHttpToolsProtocol)]
+    return [
+        item
+        for item in gc.get_objects()
+        if isinstance(item, LimitedHttpToolsProtocol)
+        and (port is None or (item.server is not None and item.server[1] == port))
+    ]
 
 
 async def _never_leaves() -> Message:
