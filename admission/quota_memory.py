@@ -156,7 +156,7 @@ class MemoryQuotaStore:
         after ``hold_s`` seconds, or nothing."""
         check_reserve_args(tokens, hold_s)
         now = self._clock()
-        tenant = self._tenants.setdefault(tenant_id, _Tenant())
+        tenant = self._tenant(tenant_id)
         tenant.holds.drop_expired(now)
         token_level = _level(tenant.tokens, limits.tpm, now)
         request_level = _level(tenant.requests, limits.rpm, now)
@@ -173,12 +173,13 @@ class MemoryQuotaStore:
         if limits.max_concurrent is not None and len(tenant.holds) >= limits.max_concurrent:
             wait = _hold_wait_s(list(tenant.holds.expiry.values()), limits.max_concurrent, now)
             failures.append((LimitKind.CONCURRENCY, wait))
-        denial = pick_denial(
-            failures,
-            snapshot_from_levels(limits, token_level, request_level, len(tenant.holds)),
-        )
-        if denial is not None:
-            return denial
+        if failures:  # the snapshot is built once: for the denial, or for the reservation
+            denial = pick_denial(
+                failures,
+                snapshot_from_levels(limits, token_level, request_level, len(tenant.holds)),
+            )
+            if denial is not None:
+                return denial
 
         if limits.tpm is not None:
             token_level -= tokens
@@ -203,7 +204,7 @@ class MemoryQuotaStore:
         ``ran=False`` also give the request unit back."""
         check_used_tokens(used_tokens)
         now = self._clock()
-        tenant = self._tenants.setdefault(reservation.tenant_id, _Tenant())
+        tenant = self._tenant(reservation.tenant_id)
         tenant.holds.release(reservation.reservation_id)
         refund = reservation.tokens - used_tokens
         # Settled even when the hold already expired: a long request's real usage still counts.
@@ -213,6 +214,14 @@ class MemoryQuotaStore:
         if limits.rpm is not None and not ran:
             level = min(float(limits.rpm), _level(tenant.requests, limits.rpm, now) + 1)
             tenant.requests = _Bucket(level, now)
+
+    def _tenant(self, tenant_id: str) -> _Tenant:
+        # Not ``setdefault(tenant_id, _Tenant())``: that built (and dropped) a tenant, its
+        # holds' dict and heap on every call.
+        tenant = self._tenants.get(tenant_id)
+        if tenant is None:
+            tenant = self._tenants[tenant_id] = _Tenant()
+        return tenant
 
     async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:
         """The tenant's current state, without taking anything."""
