@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -49,13 +49,32 @@ class UpstreamConfig:
 
 
 class EngineStream:
-    """An open streaming response from a decode worker; yields SSE ``data`` payloads."""
+    """An open streaming response from a decode worker; yields SSE ``data`` payloads.
 
-    def __init__(self, response: aiohttp.ClientResponse, worker: Worker) -> None:
+    Its silences and the request's deadline are watched by one timer per stream
+    (``_watchdog``), armed for whichever comes first and re-armed only when it fires. Each
+    network read just notes the time: aiohttp's own read timeout re-armed a timer at every
+    read, a timer created and cancelled per chunk of every stream."""
+
+    __slots__ = (
+        "_bytes_read", "_deadline", "_first", "_heard_at", "_idle_timeout_s", "_payloads",
+        "_response", "_watchdog", "_worker",
+    )  # fmt: skip
+
+    def __init__(
+        self, response: aiohttp.ClientResponse, worker: Worker, idle_timeout_s: float
+    ) -> None:
+        """``idle_timeout_s``: the longest silence the worker may keep while it streams."""
         self._response = response
         self._worker = worker
         self._payloads = self._read()
         self._first: bytes | None = None
+        self._idle_timeout_s = idle_timeout_s
+        self._deadline: float | None = None
+        self._heard_at = time.monotonic()
+        """When the last network read returned (``time.monotonic()``)."""
+        self._bytes_read = 0
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def read_first(self, timeout_s: float) -> None:
         """Wait for the first event. vLLM answers a stream's headers at once but sends its first
@@ -68,20 +87,16 @@ class EngineStream:
                 f"decode worker {self._worker.name} sent no first token in {timeout_s:.0f} s"
             ) from exc
 
-    async def events(self, deadline: float | None = None) -> AsyncIterator[bytes]:
+    async def events(self, deadline: float | None = None) -> AsyncGenerator[bytes, None]:
         """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``.
 
         Raises ``EngineError`` if the worker ends the stream without ``[DONE]`` (it died or
-        dropped the connection), ``EngineTimeoutError`` if it goes silent, and
-        ``DeadlineExceededError`` if ``deadline`` (``time.monotonic()``) passes first.
+        dropped the connection), ``EngineTimeoutError`` if it stays silent for the idle
+        timeout, and ``DeadlineExceededError`` if ``deadline`` (``time.monotonic()``) passes
+        first. Both bound the reads only, never the consumer's work between them.
         """
-        # One timer for the whole stream, not a timeout around every read (that was a tenth of
-        # the gateway's CPU per chunk): when it fires, the next read raises. It bounds the
-        # reads only, never the consumer's work between them.
-        timer = None
-        if deadline is not None:
-            delay_s = max(deadline - time.monotonic(), 0.0)
-            timer = asyncio.get_running_loop().call_later(delay_s, self._deadline_passed)
+        self._deadline = deadline
+        self._arm_watchdog()
         try:
             if self._first is not None:
                 first, self._first = self._first, None
@@ -89,11 +104,36 @@ class EngineStream:
             async for payload in self._payloads:
                 yield payload
         finally:
-            if timer is not None:
-                timer.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
 
-    def _deadline_passed(self) -> None:
-        self._response.content.set_exception(deadline_error("while it was streaming"))
+    def _arm_watchdog(self) -> None:
+        due = self._heard_at + self._idle_timeout_s
+        if self._deadline is not None:
+            due = min(due, self._deadline)
+        delay_s = max(due - time.monotonic(), 0.0)
+        self._watchdog = asyncio.get_running_loop().call_later(delay_s, self._watch)
+
+    def _watch(self) -> None:
+        """The watchdog fired: end the reads with the deadline's or the silence's error, or
+        re-arm it (the worker spoke since it was armed; a timer may also fire a little early)."""
+        self._watchdog = None
+        now = time.monotonic()
+        content = self._response.content
+        if self._deadline is not None and now >= self._deadline:
+            content.set_exception(deadline_error("while it was streaming"))
+            return
+        if self._bytes_read < content.total_bytes:
+            # Bytes arrived that the consumer has not read yet: a slow client, not a silent
+            # worker (aiohttp stops reading the socket while its buffer is full).
+            self._heard_at = now
+        if now - self._heard_at >= self._idle_timeout_s:
+            content.set_exception(
+                EngineTimeoutError(f"decode worker {self._worker.name} went silent mid-stream")
+            )
+            return
+        self._arm_watchdog()
 
     async def _read(self) -> AsyncIterator[bytes]:
         # Whatever has arrived, split into lines here: one await per network read rather
@@ -101,6 +141,8 @@ class EngineStream:
         pending = b""
         try:
             async for data in self._response.content.iter_any():
+                self._heard_at = time.monotonic()
+                self._bytes_read += len(data)
                 lines = (pending + data if pending else data).split(b"\n")
                 pending = lines.pop()  # an unfinished line, or b"" after a line break
                 for line in lines:
@@ -110,10 +152,6 @@ class EngineStream:
                     if payload == b"[DONE]":
                         return
                     yield payload
-        except TimeoutError as exc:
-            raise EngineTimeoutError(
-                f"decode worker {self._worker.name} went silent mid-stream"
-            ) from exc
         except aiohttp.ClientError as exc:
             raise EngineError(f"decode worker {self._worker.name} broke the stream: {exc}") from exc
         raise EngineError(f"decode worker {self._worker.name} ended the stream without [DONE]")
@@ -189,13 +227,14 @@ class EngineClient:
         Errors before the first token surface here, while the gateway can still answer with a
         proper HTTP status (or retry) instead of an error event inside a 200 stream.
         """
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=self._config.connect_timeout_s,
-            sock_read=self._config.decode_idle_timeout_s,
-        )
+        # No ``sock_read``: aiohttp re-arms that timer at every read. The head is awaited under
+        # one timeout, the first event under another, and the stream's silences by its own
+        # watchdog (``EngineStream``).
+        idle_s = self._config.decode_idle_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._config.connect_timeout_s)
         try:
-            response = await self._post(worker, path, body, request_id, timeout, headers)
+            async with asyncio.timeout(idle_s):
+                response = await self._post(worker, path, body, request_id, timeout, headers)
         except TimeoutError as exc:
             raise EngineTimeoutError(f"worker {worker.name} did not answer") from exc
         except aiohttp.ClientError as exc:
@@ -208,9 +247,9 @@ class EngineClient:
             finally:
                 response.release()
             raise engine_status_error(worker, path, response.status, data)
-        stream = EngineStream(response, worker)
+        stream = EngineStream(response, worker, idle_s)
         try:
-            await stream.read_first(self._config.first_byte_timeout_s)
+            await stream.read_first(min(self._config.first_byte_timeout_s, idle_s))
         except BaseException:
             stream.close()  # vLLM aborts the stalled request when its client goes away
             raise

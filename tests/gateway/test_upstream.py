@@ -1,0 +1,144 @@
+"""``EngineClient.open_stream``'s limits on a decode worker's stream (gateway/serving/upstream.py):
+a silence past the idle timeout ends the reads, a deadline ends them, and a consumer that reads
+slowly is never taken for a silent worker. Against a real HTTP server that streams SSE on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from core.errors import DeadlineExceededError, EngineTimeoutError
+from core.messages import WorkerRole
+from gateway.serving.upstream import EngineClient, EngineStream, UpstreamConfig
+from workers.registry import Worker
+
+IDLE_S = 0.3
+
+
+@dataclass
+class Script:
+    """What the server sends: ``burst`` events at once; then, ``rounds`` times, a pause of
+    ``pause_s`` (``None``: silence until the client leaves) and ``then`` events; then
+    ``[DONE]``."""
+
+    burst: int = 1
+    pause_s: float | None = None
+    then: int = 0
+    rounds: int = 1
+    event_bytes: int = 64
+    left: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _server(script: Script) -> AsyncIterator[str]:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        event = b"data: {" + b"x" * script.event_bytes + b"}\n\n"
+        await response.write(event * script.burst)
+        if script.pause_s is None:
+            # Silent until the client leaves: aiohttp neither cancels the handler nor offers
+            # an event for that.
+            transport = request.transport
+            while transport is not None and not transport.is_closing():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+            script.left.set()
+            return response
+        for _ in range(script.rounds):
+            await asyncio.sleep(script.pause_s)
+            await response.write(event * script.then)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[EngineClient]:
+    engine = EngineClient(UpstreamConfig(decode_idle_timeout_s=IDLE_S, first_byte_timeout_s=5))
+    await engine.start()
+    yield engine
+    await engine.aclose()
+
+
+async def _open(client: EngineClient, script: Script) -> AsyncIterator[EngineStream]:
+    async for base_url in _server(script):
+        worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
+        stream = await client.open_stream(worker, "/v1/chat/completions", {}, "req-1")
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+async def _drain(events: AsyncIterator[bytes]) -> int:
+    return sum([1 async for _ in events])
+
+
+async def test_a_worker_silent_past_the_idle_timeout_ends_the_stream(client: EngineClient) -> None:
+    script = Script(burst=3, pause_s=None)
+    async for stream in _open(client, script):
+        started = time.monotonic()
+        events = stream.events()
+        received = [await anext(events) for _ in range(3)]
+        assert len(received) == 3
+        with pytest.raises(EngineTimeoutError, match="went silent mid-stream"):
+            await asyncio.wait_for(anext(events), IDLE_S * 20)
+        silent_s = time.monotonic() - started
+        assert IDLE_S * 0.9 <= silent_s < IDLE_S * 5, silent_s
+        await events.aclose()
+    await asyncio.wait_for(script.left.wait(), 5)  # the connection was dropped
+
+
+async def test_events_on_time_keep_the_stream_alive_past_the_idle_timeout(
+    client: EngineClient,
+) -> None:
+    # Three pauses, each under the idle timeout, together well past it.
+    script = Script(burst=1, pause_s=IDLE_S * 0.6, then=1, rounds=3)
+    async for stream in _open(client, script):
+        assert await _drain(stream.events()) == 4
+
+
+async def test_a_consumer_that_reads_slowly_is_not_a_silent_worker(client: EngineClient) -> None:
+    # The worker sends everything at once; the consumer reads one event, then nothing for
+    # twice the idle timeout while the rest waits unread in the client's buffer.
+    script = Script(burst=1, pause_s=0.01, then=50)
+    async for stream in _open(client, script):
+        events = stream.events()
+        await anext(events)
+        await asyncio.sleep(IDLE_S * 2)
+        assert await _drain(events) == 50
+
+
+async def test_the_deadline_ends_a_stream_before_its_idle_timeout(client: EngineClient) -> None:
+    script = Script(burst=1, pause_s=None)
+    async for stream in _open(client, script):
+        events = stream.events(deadline=time.monotonic() + IDLE_S / 3)
+        await anext(events)
+        with pytest.raises(DeadlineExceededError):  # not the silence's EngineTimeoutError
+            await asyncio.wait_for(anext(events), IDLE_S * 10)
+        await events.aclose()
+
+
+async def test_a_deadline_already_past_ends_the_stream_at_once(client: EngineClient) -> None:
+    script = Script(burst=1, pause_s=None)
+    async for stream in _open(client, script):
+        events = stream.events(deadline=time.monotonic() - 1)
+        assert await anext(events)  # the first event was read before the stream was handed on
+        with pytest.raises(DeadlineExceededError):
+            await asyncio.wait_for(anext(events), IDLE_S * 10)
+        await events.aclose()
