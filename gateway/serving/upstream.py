@@ -241,7 +241,8 @@ class EngineClient:
             raise EngineError(f"worker {worker.name} is unreachable: {exc}") from exc
         if response.status != 200:
             try:
-                data = await response.read()
+                async with asyncio.timeout(idle_s):
+                    data = await response.read()
             except (aiohttp.ClientError, TimeoutError):
                 data = b""
             finally:

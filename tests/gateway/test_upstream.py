@@ -1,6 +1,7 @@
 """``EngineClient.open_stream``'s limits on a decode worker's stream (gateway/serving/upstream.py):
-a silence past the idle timeout ends the reads, a deadline ends them, and a consumer that reads
-slowly is never taken for a silent worker. Against a real HTTP server that streams SSE on cue."""
+a silence past the idle timeout ends the reads, a deadline ends them, a consumer that reads
+slowly is never taken for a silent worker, and an error status whose body never comes is still
+an error. Against a real HTTP server that streams SSE on cue."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from core.errors import DeadlineExceededError, EngineTimeoutError
+from core.errors import DeadlineExceededError, EngineError, EngineTimeoutError
 from core.messages import WorkerRole
 from gateway.serving.upstream import EngineClient, EngineStream, UpstreamConfig
 from workers.registry import Worker
@@ -30,17 +31,22 @@ class Script:
     pause_s: float | None = None
     then: int = 0
     rounds: int = 1
+    status: int = 200
+    """Any other: that status's head, then silence (no body) until the client leaves."""
     event_bytes: int = 64
     left: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def _server(script: Script) -> AsyncIterator[str]:
     async def generate(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(
+            status=script.status, headers={"Content-Type": "text/event-stream"}
+        )
         await response.prepare(request)
         event = b"data: {" + b"x" * script.event_bytes + b"}\n\n"
-        await response.write(event * script.burst)
-        if script.pause_s is None:
+        if script.status == 200:
+            await response.write(event * script.burst)
+        if script.pause_s is None or script.status != 200:
             # Silent until the client leaves: aiohttp neither cancels the handler nor offers
             # an event for that.
             transport = request.transport
@@ -142,3 +148,16 @@ async def test_a_deadline_already_past_ends_the_stream_at_once(client: EngineCli
         with pytest.raises(DeadlineExceededError):
             await asyncio.wait_for(anext(events), IDLE_S * 10)
         await events.aclose()
+
+
+async def test_an_error_status_whose_body_never_comes_is_still_an_error(
+    client: EngineClient,
+) -> None:
+    script = Script(status=500)
+    async for base_url in _server(script):
+        worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
+        with pytest.raises(EngineError) as caught:
+            await asyncio.wait_for(
+                client.open_stream(worker, "/v1/chat/completions", {}, "req-1"), IDLE_S * 20
+            )
+        assert caught.value.status_code == 502
