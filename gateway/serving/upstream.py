@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -57,8 +57,8 @@ class EngineStream:
     read, a timer created and cancelled per chunk of every stream."""
 
     __slots__ = (
-        "_bytes_read", "_deadline", "_first", "_heard_at", "_idle_timeout_s", "_payloads",
-        "_response", "_watchdog", "_worker",
+        "_bytes_read", "_deadline", "_heard_at", "_idle_timeout_s", "_payloads", "_response",
+        "_watchdog", "_worker",
     )  # fmt: skip
 
     def __init__(
@@ -68,7 +68,6 @@ class EngineStream:
         self._response = response
         self._worker = worker
         self._payloads = self._read()
-        self._first: bytes | None = None
         self._idle_timeout_s = idle_timeout_s
         self._deadline: float | None = None
         self._heard_at = time.monotonic()
@@ -77,18 +76,20 @@ class EngineStream:
         self._watchdog: asyncio.TimerHandle | None = None
 
     async def read_first(self, timeout_s: float) -> None:
-        """Wait for the first event. vLLM answers a stream's headers at once but sends its first
-        event with the first token, i.e. after the KV transfer: a stall shows here."""
+        """Wait for the first event (it stays the first that ``events`` yields). vLLM answers a
+        stream's headers at once but sends its first event with the first token, i.e. after the
+        KV transfer: a stall shows here."""
         try:
             async with asyncio.timeout(timeout_s):
-                self._first = await anext(self._payloads, None)
+                await anext(self._payloads, None)
         except TimeoutError as exc:
             raise EngineTimeoutError(
                 f"decode worker {self._worker.name} sent no first token in {timeout_s:.0f} s"
             ) from exc
 
-    async def events(self, deadline: float | None = None) -> AsyncGenerator[bytes, None]:
-        """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``.
+    def events(self, deadline: float | None = None) -> AsyncGenerator[bytes, None]:
+        """Each event's payload (the bytes after ``data: ``), ending at ``[DONE]``; call it
+        once, after ``read_first``.
 
         Raises ``EngineError`` if the worker ends the stream without ``[DONE]`` (it died or
         dropped the connection), ``EngineTimeoutError`` if it stays silent for the idle
@@ -97,16 +98,7 @@ class EngineStream:
         """
         self._deadline = deadline
         self._arm_watchdog()
-        try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                yield first
-            async for payload in self._payloads:
-                yield payload
-        finally:
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                self._watchdog = None
+        return self._payloads  # the reads themselves: no generator layered on them
 
     def _arm_watchdog(self) -> None:
         due = self._heard_at + self._idle_timeout_s
@@ -135,10 +127,11 @@ class EngineStream:
             return
         self._arm_watchdog()
 
-    async def _read(self) -> AsyncIterator[bytes]:
+    async def _read(self) -> AsyncGenerator[bytes, None]:
         # Whatever has arrived, split into lines here: one await per network read rather
         # than per line (an event is two lines, ``data: ...`` and a blank one).
         pending = b""
+        peeked = False
         try:
             async for data in self._response.content.iter_any():
                 self._heard_at = time.monotonic()
@@ -151,13 +144,26 @@ class EngineStream:
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
                         return
+                    if not peeked:
+                        # ``read_first`` took it only to see that it came: it is yielded
+                        # again, the first of ``events``.
+                        peeked = True
+                        yield payload
                     yield payload
         except aiohttp.ClientError as exc:
             raise EngineError(f"decode worker {self._worker.name} broke the stream: {exc}") from exc
+        finally:
+            self._disarm_watchdog()
         raise EngineError(f"decode worker {self._worker.name} ended the stream without [DONE]")
+
+    def _disarm_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def close(self) -> None:
         """Drop the connection; vLLM aborts the request when its client goes away."""
+        self._disarm_watchdog()
         self._response.close()
 
 
