@@ -16,6 +16,7 @@ from bench.harness.dataset import Prompt
 from bench.harness.records import RequestRecord
 from bench.harness.workload import Api, PlannedRequest, Target, TenantSpec
 from tests.fakes.fake_engine import FakeEngine
+from tests.http_app import served
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 
@@ -116,13 +117,8 @@ async def scripted() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/{name}/v1/chat/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with served(app) as base_url:
+        yield base_url
 
 
 async def run_script(

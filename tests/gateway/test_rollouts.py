@@ -25,6 +25,7 @@ from aiohttp import web
 from gateway.assembly.app import RolloutsConfig
 from rollouts.webhook import SIGNATURE_HEADER, verify
 from tests.gateway.versions_stack import ALIAS, VersionsStack, make_versions_stack
+from tests.http_app import served
 
 pytestmark = pytest.mark.asyncio
 
@@ -281,29 +282,21 @@ async def test_each_event_reaches_the_webhook_signed(tmp_path: Path) -> None:
 
     app = web.Application()
     app.router.add_post("/hook", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with rollout_stack(tmp_path) as stack:
-            candidate = await stack.add_version(b"v1")
-            rollout = await start(
-                stack,
-                candidate.name,
-                quality={"enabled": False},
-                webhook={"url": f"http://127.0.0.1:{port}/hook", "secret": SECRET},
-                steps=[{"weight": 10, "bake_s": 60}],
-            )
-            assert rollout["spec"]["webhook"]["secret"] == "***"
-            await stack.admin.post(f"/admin/v1/rollouts/{rollout['id']}/abort")
-            deadline = time.monotonic() + 10
-            while len(received) < 3:
-                assert time.monotonic() < deadline, received
-                await asyncio.sleep(0.05)
-    finally:
-        await runner.cleanup()
+    async with served(app) as base_url, rollout_stack(tmp_path) as stack:
+        candidate = await stack.add_version(b"v1")
+        rollout = await start(
+            stack,
+            candidate.name,
+            quality={"enabled": False},
+            webhook={"url": f"{base_url}/hook", "secret": SECRET},
+            steps=[{"weight": 10, "bake_s": 60}],
+        )
+        assert rollout["spec"]["webhook"]["secret"] == "***"
+        await stack.admin.post(f"/admin/v1/rollouts/{rollout['id']}/abort")
+        deadline = time.monotonic() + 10
+        while len(received) < 3:
+            assert time.monotonic() < deadline, received
+            await asyncio.sleep(0.05)
     assert [body["event"] for body, _ in received] == ["started", "aborted", "rolled_back"]
     assert all(ok for _, ok in received)
     assert {body["rollout_id"] for body, _ in received} == {rollout["id"]}

@@ -16,6 +16,7 @@ from aiohttp import web
 from core.errors import DeadlineExceededError, EngineError, EngineTimeoutError
 from core.messages import WorkerRole
 from gateway.serving.upstream import EngineClient, EngineStream, UpstreamConfig
+from tests.http_app import served
 from workers.registry import Worker
 
 IDLE_S = 0.3
@@ -62,15 +63,8 @@ async def _server(script: Script) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as base_url:
+        yield base_url
 
 
 @pytest.fixture

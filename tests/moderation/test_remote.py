@@ -15,6 +15,7 @@ from aiohttp import web
 from core.errors import ModerationUnavailableError
 from core.moderation import OPENAI_CATEGORIES, Category
 from moderation.remote import RemoteProvider, RemoteProviderConfig
+from tests.http_app import served
 
 
 @dataclass
@@ -61,16 +62,11 @@ async def classifier() -> AsyncIterator[tuple[FakeClassifier, str]]:
     fake = FakeClassifier()
     app = web.Application()
     app.router.add_post("/v1/moderations", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield fake, f"http://127.0.0.1:{port}"
-    finally:
-        fake.released.set()
-        await runner.cleanup()
+    async with served(app) as base_url:
+        try:
+            yield fake, base_url
+        finally:
+            fake.released.set()
 
 
 @pytest.fixture

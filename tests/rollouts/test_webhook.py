@@ -29,6 +29,7 @@ from rollouts.webhook import (
     sign,
     verify,
 )
+from tests.http_app import served
 
 SECRET = "whsec_test"
 NOW = 1_700_000_000.0
@@ -82,16 +83,11 @@ async def receiver() -> AsyncIterator[Receiver]:
     receiver = Receiver()
     app = web.Application()
     app.router.add_post("/hook", receiver.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    receiver.url = f"http://{host}:{port}/hook"
-    yield receiver
-    if receiver.gate is not None:
-        receiver.gate.set()
-    await runner.cleanup()
+    async with served(app) as base_url:
+        receiver.url = f"{base_url}/hook"
+        yield receiver
+        if receiver.gate is not None:
+            receiver.gate.set()
 
 
 @pytest.fixture
@@ -321,24 +317,19 @@ async def test_a_stuck_receiver_holds_up_only_its_own_rollout(
 
     app = web.Application()
     app.router.add_post("/stuck", stuck)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        sender = make_sender()
-        sender.send(Webhook(f"http://{host}:{port}/stuck", SECRET), event(rollout_id="a", n=0))
-        sender.send(Webhook(receiver.url, SECRET), event(rollout_id="b", n=0))
-        await wait_until(lambda: sender.delivered == 1)
-        assert receiver.events("b") == [0]
-        assert sender.queued == 1
-        stuck_gate.set()
-        await sender.flush()
-        assert sender.delivered == 2
-    finally:
-        stuck_gate.set()
-        await runner.cleanup()
+    async with served(app) as base_url:
+        try:
+            sender = make_sender()
+            sender.send(Webhook(f"{base_url}/stuck", SECRET), event(rollout_id="a", n=0))
+            sender.send(Webhook(receiver.url, SECRET), event(rollout_id="b", n=0))
+            await wait_until(lambda: sender.delivered == 1)
+            assert receiver.events("b") == [0]
+            assert sender.queued == 1
+            stuck_gate.set()
+            await sender.flush()
+            assert sender.delivered == 2
+        finally:
+            stuck_gate.set()
 
 
 async def test_send_neither_waits_nor_raises(
