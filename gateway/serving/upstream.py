@@ -57,8 +57,8 @@ class EngineStream:
     read, a timer created and cancelled per chunk of every stream."""
 
     __slots__ = (
-        "_bytes_read", "_deadline", "_heard_at", "_idle_timeout_s", "_payloads", "_response",
-        "_watchdog", "_worker",
+        "_bytes_read", "_deadline", "_heard_at", "_idle_timeout_s", "_payloads", "_peeking",
+        "_response", "_watchdog", "_worker",
     )  # fmt: skip
 
     def __init__(
@@ -68,6 +68,8 @@ class EngineStream:
         self._response = response
         self._worker = worker
         self._payloads = self._read()
+        self._peeking = False
+        """``read_first`` is waiting for the first payload only to see that it came."""
         self._idle_timeout_s = idle_timeout_s
         self._deadline: float | None = None
         self._heard_at = time.monotonic()
@@ -79,6 +81,7 @@ class EngineStream:
         """Wait for the first event (it stays the first that ``events`` yields). vLLM answers a
         stream's headers at once but sends its first event with the first token, i.e. after the
         KV transfer: a stall shows here."""
+        self._peeking = True
         try:
             async with asyncio.timeout(timeout_s):
                 await anext(self._payloads, None)
@@ -131,7 +134,6 @@ class EngineStream:
         # Whatever has arrived, split into lines here: one await per network read rather
         # than per line (an event is two lines, ``data: ...`` and a blank one).
         pending = b""
-        peeked = False
         try:
             async for data in self._response.content.iter_any():
                 self._heard_at = time.monotonic()
@@ -144,10 +146,8 @@ class EngineStream:
                     payload = line[5:].strip()
                     if payload == b"[DONE]":
                         return
-                    if not peeked:
-                        # ``read_first`` took it only to see that it came: it is yielded
-                        # again, the first of ``events``.
-                        peeked = True
+                    if self._peeking:  # once more, as the first of ``events``
+                        self._peeking = False
                         yield payload
                     yield payload
         except aiohttp.ClientError as exc:

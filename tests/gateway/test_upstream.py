@@ -1,7 +1,8 @@
 """``EngineClient.open_stream``'s limits on a decode worker's stream (gateway/serving/upstream.py):
 a silence past the idle timeout ends the reads, a deadline ends them, a consumer that reads
-slowly is never taken for a silent worker, and an error status whose body never comes is still
-an error. Against a real HTTP server that streams SSE on cue."""
+slowly is never taken for a silent worker, an error status whose body never comes is still an
+error, and the first event that ``read_first`` waited for is yielded once. Against a real HTTP
+server that streams SSE on cue."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -155,3 +157,16 @@ async def test_an_error_status_whose_body_never_comes_is_still_an_error(
                 client.open_stream(worker, "/v1/chat/completions", {}, "req-1"), IDLE_S * 20
             )
         assert caught.value.status_code == 502
+
+
+async def test_events_without_read_first_yield_each_event_once() -> None:
+    script = Script(burst=2, pause_s=0.01, then=1)
+    async for base_url in _server(script):
+        worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{base_url}/v1/chat/completions", json={})
+            stream = EngineStream(response, worker, IDLE_S)
+            try:
+                assert await _drain(stream.events()) == 3
+            finally:
+                stream.close()
