@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +41,7 @@ class Script:
     left: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@asynccontextmanager
 async def _server(script: Script) -> AsyncIterator[str]:
     async def generate(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -77,8 +79,9 @@ async def client() -> AsyncIterator[EngineClient]:
     await engine.aclose()
 
 
+@asynccontextmanager
 async def _open(client: EngineClient, script: Script) -> AsyncIterator[EngineStream]:
-    async for base_url in _server(script):
+    async with _server(script) as base_url:
         worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
         stream = await client.open_stream(worker, "/v1/chat/completions", {}, "req-1")
         try:
@@ -93,7 +96,7 @@ async def _drain(events: AsyncIterator[bytes]) -> int:
 
 async def test_a_worker_silent_past_the_idle_timeout_ends_the_stream(client: EngineClient) -> None:
     script = Script(burst=3, pause_s=None)
-    async for stream in _open(client, script):
+    async with _open(client, script) as stream:
         started = time.monotonic()
         events = stream.events()
         received = [await anext(events) for _ in range(3)]
@@ -111,7 +114,7 @@ async def test_events_on_time_keep_the_stream_alive_past_the_idle_timeout(
 ) -> None:
     # Three pauses, each under the idle timeout, together well past it.
     script = Script(burst=1, pause_s=IDLE_S * 0.6, then=1, rounds=3)
-    async for stream in _open(client, script):
+    async with _open(client, script) as stream:
         assert await _drain(stream.events()) == 4
 
 
@@ -119,7 +122,7 @@ async def test_a_consumer_that_reads_slowly_is_not_a_silent_worker(client: Engin
     # The worker sends everything at once; the consumer reads one event, then nothing for
     # twice the idle timeout while the rest waits unread in the client's buffer.
     script = Script(burst=1, pause_s=0.01, then=50)
-    async for stream in _open(client, script):
+    async with _open(client, script) as stream:
         events = stream.events()
         await anext(events)
         await asyncio.sleep(IDLE_S * 2)
@@ -128,7 +131,7 @@ async def test_a_consumer_that_reads_slowly_is_not_a_silent_worker(client: Engin
 
 async def test_the_deadline_ends_a_stream_before_its_idle_timeout(client: EngineClient) -> None:
     script = Script(burst=1, pause_s=None)
-    async for stream in _open(client, script):
+    async with _open(client, script) as stream:
         events = stream.events(deadline=time.monotonic() + IDLE_S / 3)
         await anext(events)
         with pytest.raises(DeadlineExceededError):  # not the silence's EngineTimeoutError
@@ -138,7 +141,7 @@ async def test_the_deadline_ends_a_stream_before_its_idle_timeout(client: Engine
 
 async def test_a_deadline_already_past_ends_the_stream_at_once(client: EngineClient) -> None:
     script = Script(burst=1, pause_s=None)
-    async for stream in _open(client, script):
+    async with _open(client, script) as stream:
         events = stream.events(deadline=time.monotonic() - 1)
         assert await anext(events)  # the first event was read before the stream was handed on
         with pytest.raises(DeadlineExceededError):
@@ -150,7 +153,7 @@ async def test_an_error_status_whose_body_never_comes_is_still_an_error(
     client: EngineClient,
 ) -> None:
     script = Script(status=500)
-    async for base_url in _server(script):
+    async with _server(script) as base_url:
         worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
         with pytest.raises(EngineError) as caught:
             await asyncio.wait_for(
@@ -161,7 +164,7 @@ async def test_an_error_status_whose_body_never_comes_is_still_an_error(
 
 async def test_events_without_read_first_yield_each_event_once() -> None:
     script = Script(burst=2, pause_s=0.01, then=1)
-    async for base_url in _server(script):
+    async with _server(script) as base_url:
         worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
         async with aiohttp.ClientSession() as session:
             response = await session.post(f"{base_url}/v1/chat/completions", json={})
