@@ -51,6 +51,7 @@ from bench.overhead.trace_cost import (
     TracingRunError,
     run_tracing,
 )
+from workers.model import prepare_in_subprocess
 
 TARGETS = (
     "direct",
@@ -105,6 +106,11 @@ def parser() -> argparse.ArgumentParser:
         "--burst", action="store_true", help="start each level's streams together (see load.py)"
     )
     p.add_argument("--no-auth", action="store_true", help="Tandem without keys and quotas")
+    p.add_argument(
+        "--tokenizer-dir",
+        help="Tandem counts prompts with this folder's tokenizer.json ('bundled': the bundled "
+        "model's; default: 4 characters a token, as for external workers)",
+    )
     p.add_argument("--litellm", type=Path, help=f"litellm binary (default {DEFAULT_LITELLM})")
     p.add_argument("--profile", type=Path, help="py-spy profile: .svg, .json (speedscope), .txt")
     p.add_argument("--profile-concurrency", type=int, default=64)
@@ -280,7 +286,19 @@ def _fake_config(
         pin=not args.no_pin,
         py_spy=py_spy,
         keep_work_dir=args.keep_work_dir,
+        tokenizer_dir=_tokenizer_dir(args.tokenizer_dir),
     )
+
+
+def _tokenizer_dir(arg: str | None) -> Path | None:
+    if arg is None:
+        return None
+    if arg == "bundled":
+        return prepare_in_subprocess(None, None).path
+    path = Path(arg).resolve()
+    if not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer-dir: {path} has no tokenizer.json")
+    return path
 
 
 def _litellm_version(binary: Path | None) -> str | None:

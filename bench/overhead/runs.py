@@ -67,6 +67,9 @@ class FakeRunConfig:
     keep_work_dir: bool = False
     idle_s: float = 5.0
     """How long each server's idle CPU rate is measured before its load."""
+    tokenizer_dir: Path | None = None
+    """Tandem counts prompts with this folder's ``tokenizer.json`` (None: 4 characters a
+    token)."""
 
 
 @dataclass(slots=True)
@@ -171,6 +174,7 @@ async def _run_target(
             auth=config.auth,
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
             gateway_workers=2 if name == "tandem-2proc" else 1,  # tandem-colocated, 2 processes
+            tokenizer_dir=config.tokenizer_dir,
         )
         server, api_key = start_tandem(setup, prefill.url, decode.url, MODEL, work_dir, cores)
     elif name == "relay":

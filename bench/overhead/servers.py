@@ -75,6 +75,9 @@ class TandemSetup:
     gateway_workers: int = 1
     """Gateway processes on the one port (``tandem up --gateway-workers``); above 1 they share
     the ``redis-server`` ``tandem up`` starts (its CPU counts: it is a child)."""
+    tokenizer_dir: Path | None = None
+    """The folder whose ``tokenizer.json`` counts prompts (``TANDEM_TOKENIZER_DIR``); None: 4
+    characters a token, as with any external workers the gateway has no tokenizer for."""
 
     @property
     def label(self) -> str:
@@ -118,6 +121,7 @@ def tandem_env(
             else {}
         ),
         **tracing_env(traces_endpoint),
+        **({"TANDEM_TOKENIZER_DIR": str(setup.tokenizer_dir)} if setup.tokenizer_dir else {}),
     }
 
 

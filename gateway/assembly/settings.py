@@ -69,6 +69,11 @@ class TandemSettings(BaseSettings):
     """Base URLs of prefill workers someone else started (GPUs, other hosts)."""
     decode_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Base URLs of decode workers someone else started."""
+    tokenizer_dir: Path | None = None
+    """A folder with the served model's ``tokenizer.json``, for a model with no folder here
+    (only external workers): admission counts prompts with it. Unset: the model's own folder,
+    else 4 characters a token (an estimate that settling against the engine's usage
+    corrects, but a quota reserves what it says)."""
     worker_host: str = "127.0.0.1"
     """Interface managed workers bind to (HTTP and the NIXL side channel)."""
     prefill_base_port: int = Field(8100, ge=1, le=65535)
@@ -375,6 +380,17 @@ class TandemSettings(BaseSettings):
     @classmethod
     def _usable_ucx_transports(cls, value: str | None) -> str | None:
         ConnectorConfig(ucx_transports=value)  # its ValueError names the fix
+        return value
+
+    @field_validator("tokenizer_dir")
+    @classmethod
+    def _has_a_tokenizer(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value / "tokenizer.json").is_file():
+            raise ValueError(
+                f"{value} has no tokenizer.json: name the served model's folder (the one "
+                "with its tokenizer.json), or unset TANDEM_TOKENIZER_DIR to count 4 "
+                "characters a token"
+            )
         return value
 
     @model_validator(mode="after")

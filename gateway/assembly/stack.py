@@ -69,8 +69,8 @@ class Stack:
     declared: VersionsConfig
     """The versions and policies recorded (and audited) when the app starts."""
     model_dir: Path | None = None
-    """The first version's model folder (its tokenizer counts prompt tokens); None for
-    external-only."""
+    """The first version's model folder (its tokenizer counts prompt tokens); for
+    external-only, ``settings.tokenizer_dir``."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     """Where the gateway and its workers export traces (the ``OTEL_*`` environment)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -159,7 +159,7 @@ class Stack:
             supervisor,
             deployments,
             VersionsConfig(register=registered, policies=tuple(policies.items())),
-            Path(first.model_dir) if first is not None else None,
+            Path(first.model_dir) if first is not None else settings.tokenizer_dir,
             tracing,
             planner,
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from admission import tokens
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CharCounter,
@@ -20,18 +22,35 @@ from core.prompt import Prompt, TokenEstimate
 
 
 class Words:
-    """A counter with known answers: one token per word."""
+    """A counter with known answers: one token per word. It notes what it counted and on
+    which threads, and remembers what it is told to."""
+
+    def __init__(self) -> None:
+        self.counted: list[str] = []
+        self.threads: set[int] = set()
+        self.remembered: dict[str, int] = {}
 
     def count(self, text: str) -> int:
+        self.counted.append(text)
+        self.threads.add(threading.get_ident())
         return len(text.split())
+
+    def known(self, text: str) -> int | None:
+        return self.remembered.get(text)
+
+    def remember(self, text: str, tokens: int) -> None:
+        self.remembered[text] = tokens
 
 
 async def estimate(
-    endpoint: Endpoint, body: dict[str, Any], max_model_len: int | None = None
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    max_model_len: int | None = None,
+    counter: Words | None = None,
 ) -> TokenEstimate:
     body = {"model": "m", **body}
     return await estimate_tokens(
-        endpoint, body, Prompt.parse(endpoint, body), Words(), max_model_len
+        endpoint, body, Prompt.parse(endpoint, body), counter or Words(), max_model_len
     )
 
 
@@ -84,9 +103,40 @@ async def test_output_cap_is_the_clients() -> None:
 
 
 async def test_long_prompts_count_the_same_off_the_loop() -> None:
-    long = "word " * 5_000  # past the inline limit: counted in a thread
-    result = await estimate(Endpoint.COMPLETIONS, {"prompt": [long, "x"]})
-    assert result.prompt_tokens == 5_001
+    loop_thread = threading.get_ident()
+    short = Words()
+    result = await estimate(Endpoint.COMPLETIONS, {"prompt": ["word " * 100]}, counter=short)
+    assert (result.prompt_tokens, short.threads) == (100, {loop_thread})
+    long = Words()
+    text = "word " * (tokens._INLINE_CHARS // 5 + 1)  # past the inline limit: in a thread
+    result = await estimate(Endpoint.COMPLETIONS, {"prompt": [text, "x"]}, counter=long)
+    assert result.prompt_tokens == tokens._INLINE_CHARS // 5 + 2
+    assert long.threads and loop_thread not in long.threads
+
+
+async def test_a_conversations_next_turn_counts_only_its_new_text() -> None:
+    counter = Words()
+    history = [
+        {"role": "system", "content": "you answer briefly"},
+        {"role": "user", "content": "the first question"},
+        {"role": "assistant", "content": "the first answer"},
+    ]
+    first = await estimate(Endpoint.CHAT, {"messages": history}, counter=counter)
+    turn = [*history, {"role": "user", "content": "and a second question"}]
+    counter.counted.clear()
+    second = await estimate(Endpoint.CHAT, {"messages": turn}, counter=counter)
+    assert counter.counted == ["and a second question"]
+    assert second.prompt_tokens == first.prompt_tokens + 4 + 4  # its words, one more message
+
+
+async def test_only_what_is_left_to_count_decides_the_thread_hop() -> None:
+    counter = Words()
+    long = "word " * (tokens._INLINE_CHARS // 5 + 1)
+    await estimate(Endpoint.COMPLETIONS, {"prompt": long}, counter=counter)
+    counter.threads.clear()
+    result = await estimate(Endpoint.COMPLETIONS, {"prompt": [long, "two words"]}, counter=counter)
+    assert result.prompt_tokens == tokens._INLINE_CHARS // 5 + 3
+    assert counter.threads == {threading.get_ident()}  # the long one was known
 
 
 def test_counters(tmp_path: Path) -> None:
@@ -96,6 +146,42 @@ def test_counters(tmp_path: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     assert TokenizerCounter.for_model(tmp_path).count("a b c") == 3
+
+
+def test_the_tokenizer_counts_what_encode_counts(tmp_path: Path) -> None:
+    """The counter's fast form (no offsets) gives ``encode``'s count, on a byte-level BPE
+    like the bundled model's."""
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Grüße aus Köln! 東京 🙂", "x = 1"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=300))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    counter = TokenizerCounter(tmp_path / "tokenizer.json")
+    for text in [*corpus, "an unseen sentence, with ümlauts and 日本語", "", " " * 7]:
+        assert counter.count(text) == len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def test_the_tokenizer_keeps_the_counts_of_recent_texts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokens, "_MEMO_ENTRIES", 2)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    counter = TokenizerCounter(tmp_path / "tokenizer.json")
+    assert counter.known("a b") is None
+    counter.remember("a b", 2)
+    counter.remember("c d e", 3)
+    assert (counter.known("a b"), counter.known("c d e")) == (2, 3)
+    assert counter.known("a b") == 2  # now the most recently used
+    counter.remember("f", 1)  # one past the bound: the least recently used goes
+    assert (counter.known("a b"), counter.known("c d e"), counter.known("f")) == (2, None, 1)
+
+
+def test_the_character_estimate_is_always_at_hand() -> None:
+    counter = CharCounter()
+    assert counter.known("abcdefghi") == 3
+    counter.remember("abcdefghi", 99)  # nothing to keep: it is not a lookup
+    assert counter.known("abcdefghi") == 3
 
 
 async def test_each_model_folder_counts_with_its_own_tokenizer(tmp_path: Path) -> None:

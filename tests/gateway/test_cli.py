@@ -101,3 +101,23 @@ def test_managed_workers_get_the_step_budget_and_extra_flags(
     assert all(
         "--max-num-batched-tokens" not in worker_argv(spec) for spec in stack.decode.config.specs
     )
+
+
+def test_external_workers_count_prompts_with_the_tokenizer_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TANDEM_NUM_PREFILL_WORKERS", "0")
+    monkeypatch.setenv("TANDEM_NUM_DECODE_WORKERS", "0")
+    monkeypatch.setenv("TANDEM_DECODE_URLS", "http://gpu-a:8000")
+    monkeypatch.setenv("TANDEM_SERVED_MODEL_NAME", "served")
+    assert Stack.from_settings(TandemSettings(), None).model_dir is None  # 4 characters a token
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(tmp_path))
+    assert Stack.from_settings(TandemSettings(), None).model_dir == tmp_path
+    # A managed version counts with its own folder's tokenizer.
+    version = fake_version(tmp_path / "model")
+    monkeypatch.setenv("TANDEM_NUM_DECODE_WORKERS", "1")
+    assert Stack.from_settings(TandemSettings(), version).model_dir == Path(version.model_dir)
+    monkeypatch.setenv("TANDEM_TOKENIZER_DIR", str(tmp_path / "elsewhere"))
+    with pytest.raises(ValidationError, match=r"has no tokenizer\.json"):
+        TandemSettings()
