@@ -19,7 +19,10 @@ from bench.soak.load import PROBE, TENANTS, Load, Sent, SoakTenant, probe_until_
 from bench.soak.stack import SoakStack, StackSpec, running_stack
 
 IDLE_SETTLE_S = 30.0
-"""How long the idle stack may take to show zero in flight (gauges refresh every second)."""
+"""How long the idle stack may take to show zero in flight and its KV back where it was
+(gauges refresh every second). KV a decode leg never read (a gateway killed between the
+legs) is freed when its lease ends (``TANDEM_KV_LEASE_S``, 10 s by default): a block still
+held after this long has leaked."""
 DRAIN = SoakTenant("steady", {}, clients=4, long_prompts=False, max_tokens=48)
 """The streams open when ``tandem up`` gets SIGTERM (the steady tenant's key)."""
 
@@ -70,7 +73,7 @@ async def run_soak(spec: SoakSpec) -> SoakResult:
             await asyncio.sleep(max(0.0, until_s - load.now()))  # faults ended early
             await load.stop()
             await stack.wait_ready(RECOVERY_TIMEOUT_S)
-            idle = await _idle_state(stack)
+            idle = await _idle_state(stack, kv_baseline)
             rss_after = stack.gateway_rss()
             shutdown = await _shutdown_under_streams(stack, load, stack_spec.shutdown_grace_s)
         ledger = await asyncio.to_thread(_read_ledger, stack.ledger_url)
@@ -90,8 +93,9 @@ async def run_soak(spec: SoakSpec) -> SoakResult:
     return SoakResult(spec, time.monotonic() - started, load.sent, faults, check_all(evidence))
 
 
-async def _idle_state(stack: SoakStack) -> IdleState:
-    """What the idle stack holds, once nothing is in flight (or after ``IDLE_SETTLE_S``)."""
+async def _idle_state(stack: SoakStack, kv_baseline: dict[str, float]) -> IdleState:
+    """What the idle stack holds, once nothing is in flight and each worker's KV usage is
+    back to ``kv_baseline`` (or after ``IDLE_SETTLE_S``)."""
     deadline = time.monotonic() + IDLE_SETTLE_S
     while True:
         in_flight = queued = 0.0
@@ -101,10 +105,10 @@ async def _idle_state(stack: SoakStack) -> IdleState:
                 in_flight += _sum(text, "tandem_admission_in_flight")
                 queued += _sum(text, "tandem_admission_queued")
         running = await _worker_gauges(stack, "vllm:num_requests_running")
-        idle = IdleState(
-            in_flight, queued, running, await _worker_gauges(stack, "vllm:kv_cache_usage_perc")
-        )
-        settled = in_flight == 0 and queued == 0 and not any(running.values())
+        kv_usage = await _worker_gauges(stack, "vllm:kv_cache_usage_perc")
+        idle = IdleState(in_flight, queued, running, kv_usage)
+        kv_back = all(v <= kv_baseline.get(role, 0.0) for role, v in kv_usage.items())
+        settled = in_flight == 0 and queued == 0 and not any(running.values()) and kv_back
         if settled or time.monotonic() > deadline:
             return idle
         await asyncio.sleep(1)

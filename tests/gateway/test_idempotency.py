@@ -75,7 +75,9 @@ async def _stack(stores: StoreConfig, **gateway: Any) -> AsyncIterator[FakeStack
 
 @pytest.fixture
 async def stack(stores: StoreConfig) -> AsyncIterator[FakeStack]:
-    async with _stack(stores) as fake_stack:
+    # Heartbeats well after any refusal here (a failed split and its colocated fallback took
+    # over 0.2 s on a loaded CI box), so an error before the first token is an HTTP status.
+    async with _stack(stores, sse_ping_interval_s=2.0) as fake_stack:
         yield fake_stack
 
 
