@@ -14,6 +14,7 @@ import asyncio
 import gc
 import socket
 import struct
+import sys
 import tracemalloc
 from collections import deque
 from collections.abc import AsyncIterator
@@ -183,7 +184,7 @@ async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_respons
                 while not answer.endswith(b"\r\n0\r\n\r\n"):
                     answer += await reader.read(4096)
             (protocol,) = _live_protocols(port)
-            assert protocol._hang_ups == []  # three requests answered, none still held
+            assert protocol._conn.hang_ups == []  # three requests answered, none still held
             assert not any(signal.fired for signal in signals)
 
             writer.write(b"GET /wait HTTP/1.1\r\nHost: tandem\r\n\r\n")
@@ -299,6 +300,31 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
             while received < len(big):
                 received += len(await reader.read(1 << 20))
             await wait_until(lambda: not protocol.flow.write_paused)
+        finally:
+            release.set()
+
+
+async def test_an_open_connections_attributes_share_their_keys() -> None:
+    """CPython shares the keys of instances' attribute dicts only up to 30 attributes: past
+    that, every connection would hold a dict of its own (about 1.5 KiB) for its whole life."""
+    release = asyncio.Event()
+    waiting = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            waiting.set()
+            await release.wait()
+            await send({"type": "http.response.body", "body": b"done"})
+
+    async with _gateway_protocol_serving(app) as port:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+            await asyncio.wait_for(waiting.wait(), 5)
+            (protocol,) = _live_protocols(port)
+            assert sys.getsizeof(vars(protocol)) < 512, sorted(vars(protocol))
+            writer.close()
         finally:
             release.set()
 
