@@ -7,6 +7,8 @@ refresher (task)          every ``refresh_interval_s``: flush, re-read spend, pr
                           settings (other gateways' changes), store and announce new alerts,
                           delete request-log entries past their retention; with a shared spend
                           counter, raise it to the ledger's figures or seed a missing month
+                          (when Redis failed that, again on the spend sync's backoff: 0.1 s
+                          doubling to 5 s, not a refresh interval later)
 spend sync (tasks)        with a shared spend counter (Redis, several gateways): push this
                           gateway's spend to it and follow the others' (``billing/spend_sync.py``)
 admin side                price cards, account settings, budget status, alerts, usage pages
@@ -30,7 +32,7 @@ from billing.cost import CostMeter, WorkerCost
 from billing.prices import PriceBook, PriceCard, PriceError
 from billing.records import UsageRecord, from_unix_us
 from billing.spend_redis import RedisSpend, SpendStoreUnavailable
-from billing.spend_sync import SpendSync
+from billing.spend_sync import RETRY_INITIAL_S, RETRY_MAX_S, SpendSync
 from billing.sql_store import open_store
 from billing.store import (
     AccountSettings,
@@ -152,6 +154,10 @@ class Billing:
         self._unannounced: list[BudgetAlert] = []
         self._task: asyncio.Task[None] | None = None
         self._next_purge_us: int | None = None
+        self._reconcile_retry_s: float | None = None
+        """Set while the last reconcile failed: the refresher runs again this soon. A month
+        missing from Redis is seeded only there, and the spend pending until then is not
+        pushed."""
 
     def price_worker(
         self,
@@ -352,7 +358,14 @@ class Billing:
             try:
                 await self.spend_sync.reconcile(month, spend, mark)
             except SpendStoreUnavailable as exc:
-                log.debug("budget counters not reconciled: %s", exc)
+                last = self._reconcile_retry_s
+                self._reconcile_retry_s = (
+                    RETRY_INITIAL_S if last is None else min(2 * last, RETRY_MAX_S)
+                )
+                log.debug("budget counters not reconciled (again in %.1f s): %s",
+                          self._reconcile_retry_s, exc)  # fmt: skip
+            else:
+                self._reconcile_retry_s = None
         self.budgets.set_accounts(await self.writer.run(self.store.accounts))
         self.prices = PriceBook(await self.writer.run(self.store.price_cards))
         # Levels crossed by other gateways' spend, or by a budget lowered below the spend:
@@ -363,8 +376,11 @@ class Billing:
         while True:
             # asyncio.timeout, not wait_for: on 3.11 wait_for returns a wait that finished in
             # the same loop iteration as a cancel, and aclose() would then wait forever.
+            wait_s = self.config.refresh_interval_s
+            if self._reconcile_retry_s is not None:
+                wait_s = min(wait_s, self._reconcile_retry_s)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.refresh_interval_s):
+                async with asyncio.timeout(wait_s):
                     await self._wake.wait()
             self._wake.clear()
             try:

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from billing.records import UsageRecord
 from billing.service import Billing, BillingConfig
-from billing.spend_redis import RedisSpend
+from billing.spend_redis import RedisSpend, SpendStoreUnavailable
 from billing.store import AccountSettings
 from core.errors import BudgetExhaustedError, StoreUnavailableError
 from tests.billing.records_factory import make_record
@@ -39,7 +39,9 @@ class Processes:
         self._running: list[Billing] = []
         self._ids = itertools.count()
 
-    async def start(self, *, failure: str = "open") -> Billing:
+    async def start(
+        self, *, failure: str = "open", store_class: type[RedisSpend] = RedisSpend
+    ) -> Billing:
         index = len(self._running)
         config = BillingConfig(
             sqlite_path=self.tmp_path / "ledger.db",
@@ -50,7 +52,7 @@ class Processes:
             spend_store_failure="closed" if failure == "closed" else "open",
             spend_store_retry_after_s=1.0,
         )
-        store = RedisSpend(
+        store = store_class(
             self.url, source=f"process-{index}", key_prefix=self.prefix, timeout_s=0.5
         )
         service = Billing(config, clock_us=self.clock, spend_store=store)
@@ -82,13 +84,13 @@ class Processes:
         await delete_keys(self.url, self.prefix)
 
 
-async def two_with_a_budget(processes: Processes, **kwargs: str) -> tuple[Billing, Billing]:
-    first = await processes.start(**kwargs)
+async def two_with_a_budget(processes: Processes) -> tuple[Billing, Billing]:
+    first = await processes.start()
     await first.add_price_card(PER_TOKEN_CARD)
     await first.put_account(
         AccountSettings(TENANT, monthly_budget_micros=BUDGET, alert_thresholds_pct=(50, 100))
     )
-    second = await processes.start(**kwargs)  # reads the card and the budget at start
+    second = await processes.start()  # reads the card and the budget at start
     assert second.budget_status(TENANT).budget_micros == BUDGET
     return first, second
 
@@ -192,6 +194,38 @@ async def test_the_counter_is_seeded_again_from_the_ledger_after_redis_lost_it(
         await wait_until(lambda: spent(first) == spent(second) == 700, "both see 700")
     finally:
         await processes.stop_all()
+
+
+class FloorFailing(RedisSpend):
+    """The real counter, whose ``floor`` (a reconcile's first call) fails as a timed-out call
+    would while ``failing`` is set."""
+
+    failing = True
+    failures = 0
+
+    async def floor(self, month: str, floors: dict[str, int]) -> bool:
+        if FloorFailing.failing:
+            FloorFailing.failures += 1
+            raise SpendStoreUnavailable("timed out (the test's)")
+        return await super().floor(month, floors)
+
+
+async def test_a_reconcile_redis_failed_is_tried_again_before_the_next_refresh(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A month missing from the counter is seeded only by a reconcile; one that failed is tried
+    again on the spend sync's backoff, so spend reaches the counter soon after Redis answers,
+    not a refresh interval (an hour here) later."""
+    monkeypatch.setattr(FloorFailing, "failing", True)
+    monkeypatch.setattr(FloorFailing, "failures", 0)
+    first = await processes.start(store_class=FloorFailing)
+    await first.add_price_card(PER_TOKEN_CARD)
+    await wait_until(lambda: first.spend_sync is not None and first.spend_sync.up, "listening")
+    failed = FloorFailing.failures
+    processes.spend(first, 3)  # the push finds the month missing and asks for the seed
+    await wait_until(lambda: FloorFailing.failures > failed, "the seed's reconcile failed")
+    FloorFailing.failing = False  # nothing else happens here to ask for it again
+    await wait_until_counter(processes, 300)
 
 
 async def wait_until_counter(processes: Processes, expected: int) -> None:
