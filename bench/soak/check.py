@@ -34,6 +34,14 @@ class LedgerRow:
     prompt_tokens: int
     completion_tokens: int
     started_at_us: int
+    ttft_us: int | None = None
+    e2e_us: int = 0
+
+    @property
+    def reserved_by_us(self) -> int:
+        """When its quota had been reserved at the latest: before its first token (its end,
+        without one). Its start is the earliest: the gateway receives, then reserves."""
+        return self.started_at_us + (self.ttft_us if self.ttft_us is not None else self.e2e_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,22 +200,28 @@ def charged_equals_metered(ev: Evidence) -> Check:
 def quotas_held(ev: Evidence) -> Check:
     """A tenant's tokens stay within its token bucket (capacity = TPM, refilled at TPM a
     minute; quota is reserved when the request arrives): over any 60 s of arrivals at most two
-    minutes' worth, and over the run one minute's plus the refill; plus one request, whose
+    minutes' worth, and over the run one minute's plus the refill from the first request's
+    start to the last reservation of a request that used tokens (``LedgerRow.reserved_by_us``:
+    a request under load may reserve a while after it started); plus one request, whose
     reservation is an estimate reconciled on the engine's count."""
     tenant_of = {s.record.request_id: s.tenant for s in ev.sent if s.record.request_id}
     details, ok = [], True
     for tenant, tpm in ev.tpm.items():
+        served = [row for row in ev.ledger if tenant_of.get(row.request_id) == tenant]
         rows = sorted(
-            (row.started_at_us, row.prompt_tokens + row.completion_tokens)
-            for row in ev.ledger
-            if tenant_of.get(row.request_id) == tenant
+            (row.started_at_us, row.prompt_tokens + row.completion_tokens) for row in served
         )
         if not rows:
             details.append(f"{tenant}: no request served")
             ok = False
             continue
         one_request = max(tokens for _, tokens in rows)
-        minutes = (rows[-1][0] - rows[0][0]) / 60e6
+        # A request that used nothing adds nothing, however late it reserved.
+        end_us = max(
+            (r.reserved_by_us for r in served if r.prompt_tokens + r.completion_tokens),
+            default=rows[-1][0],
+        )
+        minutes = (max(end_us, rows[-1][0]) - rows[0][0]) / 60e6
         total = sum(tokens for _, tokens in rows)
         run_bound = tpm * (1 + minutes) + one_request
         window = _busiest_minute(rows)

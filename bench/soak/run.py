@@ -152,6 +152,18 @@ def _read_ledger(url: str) -> list[LedgerRow]:
     with psycopg.connect(url) as conn:
         rows = conn.execute(
             "SELECT record_id, request_id, status, prompt_tokens, completion_tokens, "
-            "started_at_us FROM tandem_usage"
+            "started_at_us, ttft_us, e2e_us FROM tandem_usage"
         ).fetchall()
-    return [LedgerRow(str(a), str(b), str(c), int(d), int(e), int(f)) for a, b, c, d, e, f in rows]
+    return [
+        LedgerRow(
+            str(a),
+            str(b),
+            str(c),
+            int(d),
+            int(e),
+            int(f),
+            None if g is None else int(g),
+            0 if h is None else int(h),
+        )
+        for a, b, c, d, e, f, g, h in rows
+    ]

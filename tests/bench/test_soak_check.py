@@ -104,6 +104,27 @@ def test_a_tenant_over_its_bucket_breaks_the_quota_bound() -> None:
     assert not check.quotas_held(evidence(over, **limits)).ok
 
 
+def test_the_refill_runs_to_the_last_reservation_not_the_last_start() -> None:
+    # TPM 60 (a token a second), 11 tokens a request, one a second from 0 to 10 s: 121 tokens
+    # against 60 + 10 refilled + 11 (one request). Had the last one reserved its quota just
+    # before its first token, 2 s after its start, 2 more were refilled: still over. 50 s
+    # after: within (the bucket gave 60 + 60 + 11).
+    history = [sent(i, tenant="capped", at=float(i), tokens=(3, 8)) for i in range(11)]
+    limits = {"tpm": {"capped": 60}, "max_tokens": {"capped": 8, "steady": 8}}
+    ev = evidence(history, **limits)
+    assert not check.quotas_held(ev).ok
+
+    def last_reserved_by(ttft_us: int) -> Evidence:
+        ledger = [
+            dataclasses.replace(r, ttft_us=ttft_us) if r.request_id == "req-10" else r
+            for r in ev.ledger
+        ]
+        return dataclasses.replace(ev, ledger=ledger)
+
+    assert not check.quotas_held(last_reserved_by(2_000_000)).ok
+    assert check.quotas_held(last_reserved_by(50_000_000)).ok
+
+
 def test_leaks_and_growth_are_caught() -> None:
     held = IdleState(1, 0, {"decode": 0}, {"decode": 0.0})
     assert not check.nothing_leaked(evidence(HISTORY, idle=held)).ok
