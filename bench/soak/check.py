@@ -199,7 +199,7 @@ def charged_equals_metered(ev: Evidence) -> Check:
 
 def quotas_held(ev: Evidence) -> Check:
     """A tenant's tokens stay within its token bucket (capacity = TPM, refilled at TPM a
-    minute; quota is reserved when the request arrives): over any 60 s of arrivals at most two
+    minute; quota is reserved once a request is received): over any 60 s of arrivals at most two
     minutes' worth, and over the run one minute's plus the refill from the first request's
     start to the last reservation of a request that used tokens (``LedgerRow.reserved_by_us``:
     a request under load may reserve a while after it started); plus one request, whose
