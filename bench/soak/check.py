@@ -216,12 +216,13 @@ def quotas_held(ev: Evidence) -> Check:
             ok = False
             continue
         one_request = max(tokens for _, tokens in rows)
-        # A request that used nothing adds nothing, however late it reserved.
+        # Never before the last start (the bound read no less before); past it only for the
+        # reservation of a request that used tokens: one that used nothing adds nothing.
         end_us = max(
-            (r.reserved_by_us for r in served if r.prompt_tokens + r.completion_tokens),
-            default=rows[-1][0],
+            rows[-1][0],
+            *(r.reserved_by_us for r in served if r.prompt_tokens + r.completion_tokens),
         )
-        minutes = (max(end_us, rows[-1][0]) - rows[0][0]) / 60e6
+        minutes = (end_us - rows[0][0]) / 60e6
         total = sum(tokens for _, tokens in rows)
         run_bound = tpm * (1 + minutes) + one_request
         window = _busiest_minute(rows)
