@@ -61,10 +61,14 @@ def median_us(call: Callable[[str], object], batches: list[list[str]]) -> float:
     return statistics.median(times)
 
 
+def fresh(texts: list[str]) -> list[str]:
+    """``texts`` as new strings: a new request's text is a new string, whose hash is computed
+    again."""
+    return [text.encode().decode() for text in texts]
+
+
 def fresh_copies(texts: list[str], repeat: int) -> list[list[str]]:
-    """``repeat`` copies of ``texts`` as new strings: a new request's text is a new string,
-    whose hash is computed again."""
-    return [[text.encode().decode() for text in texts] for _ in range(repeat)]
+    return [fresh(texts) for _ in range(repeat)]
 
 
 def per_text(tokenizer_file: Path, words: list[str], repeat: int) -> None:
@@ -97,7 +101,7 @@ def conversation(tokenizer_file: Path, words: list[str], repeat: int) -> None:
         for message in messages:
             counter.count(message)
         for turn in range(1, _TURNS + 1):
-            prompt = [m.encode().decode() for m in messages[: 2 * turn - 1]]
+            prompt = fresh(messages[: 2 * turn - 1])
             elapsed = _timed_count(counter, prompt)
             if turn in remembered:
                 remembered[turn].append(elapsed)
