@@ -75,6 +75,18 @@ class Prompt:
             _owners=tuple(owners),
         )
 
+    def without_texts(self) -> Prompt:
+        """This prompt with ``raw`` and ``texts`` let go and its counts kept: what a request
+        holds once nothing reads its texts again (``Request.let_go_of_prompt``)."""
+        return Prompt(
+            endpoint=self.endpoint,
+            param=self.param,
+            raw=None,
+            texts=(),
+            num_literal_tokens=self.num_literal_tokens,
+            num_messages=self.num_messages,
+        )
+
     def messages(self) -> Iterator[tuple[str, str]]:
         """Each chat message's role and its texts joined, in order, computed as iterated
         (nothing for completions). A message without text has an empty one."""

@@ -65,6 +65,7 @@ class Relay:
         request = self._request
         include_usage = request.include_usage
         request.advance(RequestPhase.DECODING)
+        request.let_go_of_prompt()
         request.follow_usage(self.usage_so_far)
         async for payload in self._upstream.events(request.deadline):
             chunk = self._parse(payload)

@@ -40,6 +40,8 @@ class UsageRecorder:
             billing.request_log_retention_s(request.tenant_id) is not None
         )
         self._output: list[str] | None = [] if keeps_log else None
+        if keeps_log:
+            request.keep_prompt()
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         """A chunk the client received (kept only for a tenant with a request log)."""

@@ -22,6 +22,12 @@ def admitted() -> Request:
     return request
 
 
+def make_decoding() -> Request:
+    request = admitted()
+    request.advance(RequestPhase.DECODING)
+    return request
+
+
 def test_phases_move_forward_and_may_skip() -> None:
     request = make()
     request.advance(RequestPhase.PREFILLING)
@@ -37,6 +43,37 @@ def test_going_back_is_refused() -> None:
     request.advance(RequestPhase.DECODING)
     with pytest.raises(PhaseError, match="cannot go from DECODING to PREFILLING"):
         request.advance(RequestPhase.PREFILLING)
+
+
+def test_a_decoding_stream_lets_go_of_its_prompt_and_keeps_the_rest() -> None:
+    request = make_decoding()
+    request.let_go_of_prompt()
+    assert request.body == {"model": "m", "stream": True}
+    assert request.prompt.raw is None and request.prompt.texts == ()
+    assert request.prompt.num_messages == 1 and request.prompt.param == "messages"
+
+
+def test_a_prompt_kept_for_the_request_log_stays() -> None:
+    request = admitted()
+    request.keep_prompt()
+    request.advance(RequestPhase.DECODING)
+    request.let_go_of_prompt()
+    assert request.body["messages"] == [{"role": "user", "content": "hi"}]
+    assert request.prompt.texts == ("hi",)
+    with pytest.raises(PhaseError, match="keep_prompt in phase DECODING"):
+        make_decoding().keep_prompt()
+
+
+def test_only_a_decoding_stream_lets_go_of_its_prompt() -> None:
+    # Before it decodes, a failed leg may still be re-run with the body; an answer that is
+    # not streamed re-runs it even while it decodes.
+    with pytest.raises(PhaseError, match="in phase ADMITTED"):
+        admitted().let_go_of_prompt()
+    answer = Request.receive("r2", Endpoint.CHAT, MODEL, {"model": "m", "messages": []})
+    answer.advance(RequestPhase.DECODING)
+    with pytest.raises(PhaseError, match="not a stream"):
+        answer.let_go_of_prompt()
+    assert answer.body["messages"] == []
 
 
 def test_terminal_phases_only_through_their_methods() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.gateway.conftest import MODEL, FakeStack
 
@@ -187,21 +188,30 @@ async def test_a_tenant_reads_only_its_own_usage(fake_stack: FakeStack) -> None:
 async def test_the_request_log_keeps_scrubbed_prompts_only_when_enabled(
     fake_stack: FakeStack,
 ) -> None:
-    secret = [{"role": "user", "content": "mail me at jane.doe@example.com about it"}]
-    await fake_stack.client.chat.completions.create(model=MODEL, messages=secret)  # type: ignore[arg-type]
+    secret: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "mail me at jane.doe@example.com about it"}
+    ]
+    await fake_stack.client.chat.completions.create(model=MODEL, messages=secret)
     enabled = await fake_stack.admin.patch(
         "/admin/v1/tenants/default/billing",
         json={"request_log": True, "request_log_retention_s": 3600},
     )
     assert enabled.status_code == 200, enabled.text
-    await fake_stack.client.chat.completions.create(model=MODEL, messages=secret)  # type: ignore[arg-type]
+    await fake_stack.client.chat.completions.create(model=MODEL, messages=secret)
+    # A stream lets go of its prompt as it decodes, unless its tenant's log keeps it.
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=secret, stream=True
+    )
+    async for _ in stream:
+        pass
     kept = await fake_stack.admin.get("/admin/v1/tenants/default/request-log", params=_period())
     assert kept.status_code == 200, kept.text
     entries = kept.json()["data"]
-    assert len(entries) == 1  # the request before it was enabled is not kept
-    assert "jane.doe@example.com" not in entries[0]["prompt"]
-    assert "[REDACTED:email]" in entries[0]["prompt"]
-    assert entries[0]["output"]
+    assert len(entries) == 2  # the request before it was enabled is not kept
+    for entry in entries:
+        assert "jane.doe@example.com" not in entry["prompt"]
+        assert "[REDACTED:email]" in entry["prompt"]
+        assert entry["output"]
 
 
 async def test_price_cards_are_append_only_and_never_backdated(fake_stack: FakeStack) -> None:

@@ -1,6 +1,6 @@
 """What a request does not keep while its response streams (docs/ARCHITECTURE.md, the memory
-paragraph of the hot path): its raw body once parsed, an event once written, its headers once
-sent, an event object nobody waits on, a task watching for the hang-up, a connection the
+paragraph of the hot path): its raw body once parsed, its prompt once it decodes, an event once
+written, its headers once sent, an event object nobody waits on, a task watching for the hang-up, a connection the
 client reset. Each is a copy per open stream, or a whole connection's objects per reset one.
 
 "Not kept" is read off the garbage collector (the test holds the object in one list of its
@@ -27,13 +27,14 @@ from starlette.requests import Request as HttpRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.jsonbytes import dumps_to_keep
+from core.request import Request, RequestPhase
 from gateway.cli.http_protocol import LeanEvent, LimitedHttpToolsProtocol, limited_httptools
 from gateway.limits import RequestLimits, RequestLimitsMiddleware
 from gateway.serving.events import ResponseHead
 from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
 from gateway.serving.routes import _json_body
 from gateway.serving.sse import EventStream
-from tests.gateway.conftest import _free_port, wait_until
+from tests.gateway.conftest import MODEL, FakeStack, _free_port, wait_until
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]})
 
@@ -99,6 +100,26 @@ async def test_parsing_the_body_leaves_no_copy_on_the_request() -> None:
     assert body["messages"][0]["content"] == "x" * 20_000
     # The parsed prompt is the one copy; body() would have kept another on `request`.
     assert held < 1.5 * len(BODY), held
+
+
+async def test_a_decoding_stream_holds_no_prompt(fake_stack: FakeStack) -> None:
+    fake_stack.decode.token_delay_s = 0.2
+    prompt = "a prompt " * 60
+    stream = await fake_stack.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True, max_tokens=4
+    )
+    async with stream:
+        await anext(aiter(stream))  # the first token: the stream decodes
+        decoding = [
+            held
+            for held in gc.get_objects()
+            if isinstance(held, Request) and held.phase is RequestPhase.DECODING
+        ]
+        assert len(decoding) == 1
+        assert decoding[0].prompt.texts == () and decoding[0].prompt.raw is None
+        assert "messages" not in decoding[0].body
+        async for _ in stream:
+            pass
 
 
 async def test_an_event_written_is_not_held_while_the_next_is_awaited() -> None:
