@@ -1,6 +1,6 @@
 """``python -m bench.overhead``: what the gateway adds, isolated with a fast fake engine.
 
-    python -m bench.overhead                       # 1, 64, 512 streams, all targets: ~6 min
+    python -m bench.overhead                       # 1, 64, 512 streams, all targets: ~7 min
     python -m bench.overhead --profile gateway.svg --out-json overhead.json
     python -m bench.overhead --real-gateway http://127.0.0.1:8000 \\
         --real-engine http://127.0.0.1:8200 --api-key tdm-... --pid 1234 --concurrency 1,4
@@ -59,6 +59,7 @@ TARGETS = (
     "tandem-2leg",
     "tandem-colocated",
     "tandem-2proc",
+    "tandem-redis",
     "tandem-moderated",
     "tandem-policy",
     "litellm",
@@ -334,6 +335,9 @@ def _print(console: Console, output: RunOutput, spec: LoadSpec) -> None:
         report.versus_table(output.results, "relay", "tandem-2leg"),
         report.versus_table(
             output.results, "tandem-colocated", "tandem-2proc", " - 1 vs 2 gateway processes"
+        ),
+        report.versus_table(
+            output.results, "tandem-colocated", "tandem-redis", " - the shared stores in Redis"
         ),
         report.versus_table(output.results, "tandem-2leg", "litellm"),
     ]

@@ -2,8 +2,10 @@
 and against a real stack someone else runs.
 
 Fake run, per target in turn (``direct``, ``relay`` (a bare SSE relay: the floor),
-``tandem-2leg``, ``tandem-colocated``, ``tandem-policy`` (two legs, through a sticky policy over
-two versions), ``litellm``):
+``tandem-2leg``, ``tandem-colocated``, ``tandem-2proc`` (two processes over the Redis ``tandem up``
+starts), ``tandem-redis`` (one process over a Redis started here, on this process's core: what
+the shared stores cost a request), ``tandem-moderated``, ``tandem-policy`` (two legs, through a
+sticky policy over two versions), ``litellm``):
 start its server on the server core, run every concurrency level, then, for servers, a
 1-token level (the fixed cost per request, for the per-chunk split), the profiled level (first
 Tandem target only) and the check of which serving path the gateway counted; stop the server.
@@ -17,7 +19,8 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ from bench.overhead.servers import (
     start_relay,
     start_tandem,
 )
+from gateway.assembly.redis_server import OwnedRedis
 
 MODEL = "fake-model"
 SERVER_CORE, ENGINE_CORE = 1, 0
@@ -133,9 +137,11 @@ async def run_fake(config: FakeRunConfig, console: Console) -> RunOutput:
             return sum(t[0] for t in times), sum(t[1] for t in times)
 
         for name in config.targets:
-            await _run_target(
-                name, config, out, console, prefill, decode, work_dir, server_cores, engine_cpu
-            )
+            async with _shared_stores(name, work_dir) as redis_url:
+                await _run_target(
+                    name, config, out, console, prefill, decode, work_dir, server_cores,
+                    engine_cpu, redis_url,
+                )  # fmt: skip
         if config.fake_check and engine_cores and server_cores:
             await _fake_check(config, out, console, decode, engine_cpu, server_cores)
         async with httpx.AsyncClient(timeout=5) as client:
@@ -163,6 +169,7 @@ async def _run_target(
     work_dir: Path,
     cores: frozenset[int] | None,
     engine_cpu: CpuReader,
+    redis_url: str | None,
 ) -> None:
     server: Server | None = None
     api_key: str | None = None
@@ -175,6 +182,7 @@ async def _run_target(
             max_in_flight_per_worker=max(4096, 2 * max(config.levels)),
             gateway_workers=2 if name == "tandem-2proc" else 1,  # tandem-colocated, 2 processes
             tokenizer_dir=config.tokenizer_dir,
+            redis_url=redis_url,
         )
         server, api_key = start_tandem(setup, prefill.url, decode.url, MODEL, work_dir, cores)
     elif name == "relay":
@@ -241,6 +249,21 @@ async def _run_target(
     finally:
         if server is not None:
             server.stop()
+
+
+@asynccontextmanager
+async def _shared_stores(name: str, work_dir: Path) -> AsyncIterator[str | None]:
+    """For ``tandem-redis``, a ``redis-server`` started as ``tandem up`` starts one for several
+    gateway processes (``OwnedRedis``), and its URL; None for every other target."""
+    if name != "tandem-redis":
+        yield None
+        return
+    redis = OwnedRedis(work_dir / "tandem-redis-store")
+    await redis.start()
+    try:
+        yield redis.url
+    finally:
+        await redis.aclose()
 
 
 async def _fake_check(

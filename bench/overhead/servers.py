@@ -78,11 +78,17 @@ class TandemSetup:
     tokenizer_dir: Path | None = None
     """The folder whose ``tokenizer.json`` counts prompts (``TANDEM_TOKENIZER_DIR``); None: 4
     characters a token, as with any external workers the gateway has no tokenizer for."""
+    redis_url: str | None = None
+    """The shared stores (tenants, quotas, idempotency, fairness) in this Redis
+    (``TANDEM_REDIS_URL``) for one process: what the step to several processes costs a request
+    before any second process runs. None: one process keeps them in memory and SQLite."""
 
     @property
     def label(self) -> str:
         if self.gateway_workers > 1:
             return f"tandem-{self.gateway_workers}proc"
+        if self.redis_url is not None:
+            return "tandem-redis"
         if self.traffic_policy:
             base = "tandem-policy"
         elif self.output_moderation:
@@ -122,6 +128,7 @@ def tandem_env(
         ),
         **tracing_env(traces_endpoint),
         **({"TANDEM_TOKENIZER_DIR": str(setup.tokenizer_dir)} if setup.tokenizer_dir else {}),
+        **({"TANDEM_REDIS_URL": setup.redis_url} if setup.redis_url else {}),
     }
 
 

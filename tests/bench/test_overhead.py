@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,31 @@ def test_cli_runs_the_bare_relay_next_to_direct(tmp_path: Path) -> None:
     # Every chunk of the engine's stream reaches the client, parsed and written again.
     assert relay["chunks_per_request"] == results["direct"]["chunks_per_request"] == 4
     assert relay["cpu_ms_per_request"] is not None  # the relay process was measured
+
+
+def test_cli_runs_one_gateway_over_the_shared_stores_in_a_redis_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run's work folder goes here
+    out = tmp_path / "overhead.json"
+    argv = [
+        "--targets", "tandem-colocated,tandem-redis", "--concurrency", "2", "--duration-s",
+        "0.3", "--tokens", "3", "--itl-ms", "2", "--fit-concurrency", "0", "--no-fake-check",
+        "--no-pin", "--keep-work-dir", "--out-json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    results = {r["target"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["tandem-redis"]["summary"]["failed"] == 0
+    assert results["tandem-redis"]["summary"]["sent"] >= 5
+    # Its quotas were reserved in the Redis started for it (its append-only file has them),
+    # and the in-memory target's tenants stayed in its own SQLite file.
+    (work_dir,) = tmp_path.glob("tandem-overhead-*")
+    written = b"".join(
+        path.read_bytes() for path in (work_dir / "tandem-redis-store").rglob("*") if path.is_file()
+    )
+    assert b"tandem:quota:" in written
+    assert (work_dir / "tandem-colocated" / "tandem.db").exists()
+    assert not (work_dir / "tandem-redis" / "tandem.db").exists()
 
 
 def test_cli_refuses_tracing_with_targets_of_its_own() -> None:
