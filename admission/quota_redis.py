@@ -13,6 +13,10 @@ multi-key script needs):
 A missing bucket reads as full, so each bucket key expires a margin after it would be full again
 and each hold set a margin after its last hold expires: idle tenants leave nothing behind.
 Numbers travel as strings both ways, because Redis truncates a Lua number reply to an integer.
+
+Every request makes two of these calls (reserve, then reconcile), so they go over one
+connection that all of them share, pipelined (``core/redis_pipe.py``): through redis-py's pool
+they cost the gateway several times the CPU (``python -m bench.quota_store_calls``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from admission.quota import (
     check_used_tokens,
 )
 from admission.quota_memory import pick_denial, snapshot_from_levels
-from admission.redis_conn import bounded, connect
+from admission.redis_conn import bounded
+from core.redis_pipe import LuaScript, PipelinedRedis
 
 _T = TypeVar("_T")
 
@@ -141,14 +146,14 @@ class RedisQuotaStore:
     def __init__(
         self, url: str, *, key_prefix: str = "tandem:quota:", timeout_s: float = 0.5
     ) -> None:
-        self._redis = connect(url, timeout_s)  # see admission/redis_conn.py
+        self._redis = PipelinedRedis(url, timeout_s)
         self._prefix = key_prefix
         # Bounds a whole call (connect, EVALSHA, the script-cache fallback after a restart),
-        # where the socket timeouts bound each operation alone.
+        # where ``timeout_s`` bounds each step alone.
         self._deadline_s = 2 * timeout_s
-        self._reserve = self._redis.register_script(_PRELUDE + _RESERVE)
-        self._reconcile = self._redis.register_script(_PRELUDE + _RECONCILE)
-        self._snapshot = self._redis.register_script(_PRELUDE + _SNAPSHOT)
+        self._reserve = LuaScript(_PRELUDE + _RESERVE)
+        self._reconcile = LuaScript(_PRELUDE + _RECONCILE)
+        self._snapshot = LuaScript(_PRELUDE + _SNAPSHOT)
 
     async def reserve(
         self, tenant_id: str, limits: QuotaLimits, tokens: int, hold_s: float
@@ -164,7 +169,9 @@ class RedisQuotaStore:
             repr(float(hold_s)),
             reservation_id,
         ]
-        reply: list[Any] = await self._run(self._reserve(self._keys(tenant_id), args))
+        reply: list[Any] = await self._run(
+            self._redis.evalsha(self._reserve, self._keys(tenant_id), args)
+        )
         snapshot = snapshot_from_levels(limits, float(reply[1]), float(reply[2]), int(reply[3]))
         if int(reply[0]) == 1:
             return Reservation(
@@ -196,21 +203,23 @@ class RedisQuotaStore:
             _cap(limits.rpm),
             "0" if ran else "1",
         ]
-        await self._run(self._reconcile(self._keys(reservation.tenant_id), args))
+        await self._run(
+            self._redis.evalsha(self._reconcile, self._keys(reservation.tenant_id), args)
+        )
 
     async def snapshot(self, tenant_id: str, limits: QuotaLimits) -> QuotaSnapshot:
         """The tenant's current state, without taking anything."""
         reply: list[Any] = await self._run(
-            self._snapshot(self._keys(tenant_id), _capacities(limits))
+            self._redis.evalsha(self._snapshot, self._keys(tenant_id), _capacities(limits))
         )
         return snapshot_from_levels(limits, float(reply[0]), float(reply[1]), int(reply[2]))
 
     async def forget(self, tenant_id: str) -> None:
         """Drop every counter of a deleted tenant."""
-        await self._run(self._redis.delete(*self._keys(tenant_id)))
+        await self._run(self._redis.call("DEL", *self._keys(tenant_id)))
 
     async def aclose(self) -> None:
-        """Release connections."""
+        """Close the connection."""
         await self._redis.aclose()
 
     def _keys(self, tenant_id: str) -> list[str]:

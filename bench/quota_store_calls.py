@@ -6,16 +6,13 @@ With several gateway processes every request reserves its quota and settles it i
 two Lua script calls (``admission/quota_redis.py``). ``bench.overhead --targets
 tandem-colocated,tandem-redis`` shows what that step costs a whole request; this shows the
 calls alone, as CPU seconds of this process per reserve-and-settle pair, with ``--concurrency``
-pairs at a time on uvloop (pin it to one core with ``taskset`` for steady figures), against a
-``redis-server`` started as ``tandem up`` starts one (a unix socket):
+pairs at a time on uvloop (pin it to one core with ``taskset`` for steady figures; the Redis
+follows it there), against a ``redis-server`` started as ``tandem up`` starts one:
 
-- ``RedisQuotaStore``: the store as the gateway calls it (redis-py over a blocking pool of
-  connections, each call bounded);
-- ``one pipelined connection``: the same two scripts, sent by every caller over one shared
-  connection, the commands of one turn of the event loop written together and each reply
-  matched in order (Redis answers a connection in order), parsed by hiredis. No timeouts, no
-  reconnection, no script reload: the floor of what the two calls can cost a client, not a
-  store to use.
+- ``RedisQuotaStore``: the store as the gateway calls it, over one connection every caller
+  shares, pipelined (``core/redis_pipe.py``);
+- ``redis-py pool``: the same two scripts through redis-py's blocking pool of connections
+  (``core/redis_conn.py``), each call bounded, as the store called them before.
 
 Figures, never assertions: compare runs on the same machine.
 """
@@ -24,56 +21,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
 
-import hiredis
 import uvloop
 
 from admission.plans import QuotaLimits
-from admission.quota import Reservation
+from admission.quota import Reservation, StoreUnavailable
 from admission.quota_redis import _PRELUDE, _RECONCILE, _RESERVE, RedisQuotaStore
+from core.redis_conn import bounded, connect
 from gateway.assembly.redis_server import OwnedRedis
 
 _LIMITS = QuotaLimits(tpm=10**9, rpm=10**9, max_concurrent=None)
 _TENANTS = 4
 _RESERVED, _USED = 100, 50
-
-
-class _Pipelined(asyncio.Protocol):
-    """One connection every caller shares (see the module's docstring: a floor, not a store)."""
-
-    def __init__(self) -> None:
-        self._reader = hiredis.Reader(encoding="utf-8")
-        self._replies: collections.deque[asyncio.Future[Any]] = collections.deque()
-        self._unsent: list[bytes] = []
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def data_received(self, data: bytes) -> None:
-        self._reader.feed(data)
-        while (reply := self._reader.gets()) is not False:
-            self._replies.popleft().set_result(reply)
-
-    def call(self, *args: str) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        reply: asyncio.Future[Any] = loop.create_future()
-        self._replies.append(reply)
-        if not self._unsent:
-            loop.call_soon(self._write)
-        self._unsent.append(hiredis.pack_command(cast(Any, args)))  # its stub wants a 1-tuple
-        return reply
-
-    def _write(self) -> None:
-        assert self._transport is not None
-        unsent, self._unsent = self._unsent, []
-        self._transport.writelines(unsent)
 
 
 async def _cpu_per_pair(
@@ -103,30 +66,26 @@ async def _store_pair_cost(url: str, concurrency: int, pairs: int) -> float:
         await store.aclose()
 
 
-async def _pipelined_pair_cost(socket_path: str, concurrency: int, pairs: int) -> float:
-    loop = asyncio.get_running_loop()
-    transport, conn = await loop.create_unix_connection(_Pipelined, socket_path)
-    reserve = await conn.call("SCRIPT", "LOAD", _PRELUDE + _RESERVE)
-    reconcile = await conn.call("SCRIPT", "LOAD", _PRELUDE + _RECONCILE)
+async def _pooled_pair_cost(url: str, concurrency: int, pairs: int) -> float:
+    redis = connect(url, 2.0)
+    reserve = redis.register_script(_PRELUDE + _RESERVE)
+    reconcile = redis.register_script(_PRELUDE + _RECONCILE)
     limits = [str(_LIMITS.tpm), str(_LIMITS.rpm)]
 
     async def pair(i: int) -> None:
         base = f"tandem:quota:{{bench-{i % _TENANTS}}}"
         keys = [f"{base}:tokens", f"{base}:requests", f"{base}:holds"]
         reservation_id = f"{i:032x}"
-        granted = await conn.call(
-            "EVALSHA", reserve, "3", *keys, *limits, "-1", str(_RESERVED), "60.0", reservation_id
-        )
-        assert granted[0] == 1
-        await conn.call(
-            "EVALSHA", reconcile, "3", *keys, limits[0], str(_RESERVED - _USED), reservation_id,
-            limits[1], "0",
-        )  # fmt: skip
+        args = [*limits, "-1", str(_RESERVED), "60.0", reservation_id]
+        granted = await bounded(reserve(keys, args), 4.0, "bench", StoreUnavailable)
+        assert int(granted[0]) == 1
+        args = [limits[0], str(_RESERVED - _USED), reservation_id, limits[1], "0"]
+        await bounded(reconcile(keys, args), 4.0, "bench", StoreUnavailable)
 
     try:
         return await _cpu_per_pair(pair, concurrency, pairs)
     finally:
-        transport.close()
+        await redis.aclose()
 
 
 async def _run(levels: list[int], pairs: int) -> None:
@@ -135,13 +94,11 @@ async def _run(levels: list[int], pairs: int) -> None:
         await redis.start()
         try:
             print(f"CPU per reserve + settle pair (us), {pairs} pairs a level")
-            print(
-                f"{'pairs at a time':>15} {'RedisQuotaStore':>16} {'one pipelined connection':>25}"
-            )
+            print(f"{'pairs at a time':>15} {'RedisQuotaStore':>16} {'redis-py pool':>14}")
             for concurrency in levels:
                 store = await _store_pair_cost(redis.url, concurrency, pairs)
-                floor = await _pipelined_pair_cost(str(redis.socket_path), concurrency, pairs)
-                print(f"{concurrency:>15} {store:>16.1f} {floor:>25.1f}")
+                pooled = await _pooled_pair_cost(redis.url, concurrency, pairs)
+                print(f"{concurrency:>15} {store:>16.1f} {pooled:>14.1f}")
         finally:
             await redis.aclose()
 

@@ -1,4 +1,6 @@
-"""The one way Tandem's Redis stores connect and call: bounded, no blind retries.
+"""The one way Tandem's Redis stores connect and call: bounded, no blind retries. (The quota
+store's two calls a request go over one shared, pipelined connection instead, under the same
+rules: ``core/redis_pipe.py``.)
 
 - No client-side retries: a blind retry of a script whose reply was lost would take, refund or
   create twice, and a dead store must answer at once. The pool still replaces connections a
