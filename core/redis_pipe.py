@@ -111,8 +111,11 @@ class PipelinedRedis:
 
     def _connected(self, connecting: asyncio.Future[_Connection]) -> None:
         self._connecting = None
-        if not connecting.cancelled() and connecting.exception() is None:
-            self._conn = connecting.result()
+        if connecting.cancelled() or connecting.exception() is not None:
+            return
+        self._conn = connecting.result()
+        if self._closed:  # closed while the connect finished
+            self._conn.close()
 
     async def _connect(self) -> _Connection:
         conn: _Connection | None = None
