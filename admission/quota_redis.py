@@ -16,7 +16,7 @@ Numbers travel as strings both ways, because Redis truncates a Lua number reply 
 
 Every request makes two of these calls (reserve, then reconcile), so they go over one
 connection that all of them share, pipelined (``core/redis_pipe.py``): through redis-py's pool
-they cost the gateway several times the CPU (``python -m bench.quota_store_calls``).
+they cost the gateway 2.5 to 3.4 times the CPU (``python -m bench.quota_store_calls``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One Redis connection that every caller shares, its commands pipelined: for the calls on
 every request's path (the quota store's scripts, ``admission/quota_redis.py``).
 
-Through redis-py's pool a request's reserve-and-settle pair cost the gateway 118-129 µs of
+Through redis-py's pool a request's reserve-and-settle pair cost the gateway 98-117 µs of
 CPU (a connection checked out, health-checked and given back per call, each command packed in
-Python, a socket wakeup per reply); over one shared connection 7-27 µs (``python -m
-bench.quota_store_calls``). Redis answers one connection's commands in order, so each reply
+Python, a socket wakeup per reply); the quota store over one shared connection 29-46 µs
+(``python -m bench.quota_store_calls``, 64 and one pair at a time). Redis answers one connection's commands in order, so each reply
 is its oldest waiting call's; commands called in one turn of the event loop go out in one
 write, and the replies that came together are read in one wakeup.
 
