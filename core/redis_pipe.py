@@ -4,9 +4,10 @@ every request's path (the quota store's scripts, ``admission/quota_redis.py``).
 Through redis-py's pool a request's reserve-and-settle pair cost the gateway 98-117 µs of
 CPU (a connection checked out, health-checked and given back per call, each command packed in
 Python, a socket wakeup per reply); the quota store over one shared connection 29-46 µs
-(``python -m bench.quota_store_calls``, 64 and one pair at a time). Redis answers one connection's commands in order, so each reply
-is its oldest waiting call's; commands called in one turn of the event loop go out in one
-write, and the replies that came together are read in one wakeup.
+(``python -m bench.quota_store_calls``, 64 and one pair at a time). Redis answers one
+connection's commands in order, so each reply is its oldest waiting call's; commands called in
+one turn of the event loop go out in one write, and the replies that came together are read
+in one wakeup.
 
 The rules are ``core/redis_conn.py``'s: every call bounded, nothing retried blindly.
 
