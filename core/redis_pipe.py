@@ -123,8 +123,8 @@ class PipelinedRedis:
         try:
             async with asyncio.timeout(self._timeout_s):
                 conn = await self._open()
-                for reply in [conn.send(command) for command in self._handshake()]:
-                    await reply
+                # gather: a failed AUTH also fails the SELECT behind it, and that is read too.
+                await asyncio.gather(*(conn.send(command) for command in self._handshake()))
         except BaseException as exc:
             if conn is not None:
                 conn.close()
@@ -183,7 +183,7 @@ class _Connection(asyncio.Protocol):
         """The future of ``args``'s reply; the command goes out at the end of this turn of
         the event loop, with any others sent in it."""
         if self.lost is not None:
-            raise self.lost
+            raise ConnectionError(*self.lost.args)
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()
         self._waiting.append(reply)
