@@ -118,7 +118,11 @@ class SoakStack:
         }
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``."""
+        """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``.
+
+        Every known worker must also answer its own ``/health``: the gateway's view of one
+        lags by up to a health interval, so ``/ready`` said 200 for a worker killed just
+        before (CI read the prefill worker's metrics next and found nothing listening)."""
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2) as client:
             while time.monotonic() < deadline:
@@ -128,10 +132,16 @@ class SoakStack:
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     response = await client.get(f"{self.base_url}/ready")
-                    if response.status_code == 200:
+                    if response.status_code == 200 and await self._workers_answer(client):
                         return dict(response.json())
                 await asyncio.sleep(0.5)
         raise StackError(f"the stack was not ready within {timeout_s:.0f} s: see {self.log_path}")
+
+    async def _workers_answer(self, client: httpx.AsyncClient) -> bool:
+        for url in self.worker_urls.values():
+            if (await client.get(f"{url}/health")).status_code != 200:
+                return False
+        return True
 
     async def new_tenant(self, name: str, plan: dict[str, Any]) -> str:
         """Create tenant ``name`` with ``plan``; return a key of it."""
