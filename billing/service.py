@@ -32,7 +32,7 @@ from billing.cost import CostMeter, WorkerCost
 from billing.prices import PriceBook, PriceCard, PriceError
 from billing.records import UsageRecord, from_unix_us
 from billing.spend_redis import RedisSpend, SpendStoreUnavailable
-from billing.spend_sync import RETRY_INITIAL_S, RETRY_MAX_S, SpendSync
+from billing.spend_sync import SpendSync, next_retry_s
 from billing.sql_store import open_store
 from billing.store import (
     AccountSettings,
@@ -358,10 +358,7 @@ class Billing:
             try:
                 await self.spend_sync.reconcile(month, spend, mark)
             except SpendStoreUnavailable as exc:
-                last = self._reconcile_retry_s
-                self._reconcile_retry_s = (
-                    RETRY_INITIAL_S if last is None else min(2 * last, RETRY_MAX_S)
-                )
+                self._reconcile_retry_s = next_retry_s(self._reconcile_retry_s)
                 log.debug("budget counters not reconciled (again in %.1f s): %s",
                           self._reconcile_retry_s, exc)  # fmt: skip
             else:

@@ -41,6 +41,12 @@ RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 5.0
 
 
+def next_retry_s(last_s: float | None) -> float:
+    """The wait after a failed try: ``RETRY_INITIAL_S`` after the first failure (``last_s``
+    None: no wait yet), then twice the last wait, up to ``RETRY_MAX_S``."""
+    return RETRY_INITIAL_S if last_s is None else min(last_s * 2, RETRY_MAX_S)
+
+
 class SpendSync:
     """Owns the pusher and the listener; used on the event loop only."""
 
@@ -173,7 +179,7 @@ class SpendSync:
                     log.error("budget spend store unavailable (spend kept here): %s", exc)
                 self._pushing_ok = False
                 await asyncio.sleep(retry_s)
-                retry_s = min(retry_s * 2, RETRY_MAX_S)
+                retry_s = next_retry_s(retry_s)
                 self._wake.set()
                 continue
             if not self._pushing_ok:
@@ -205,4 +211,4 @@ class SpendSync:
                     log.error("budget spend channel lost: %s", exc)
             self._listening = False
             await asyncio.sleep(retry_s)
-            retry_s = min(retry_s * 2, RETRY_MAX_S)
+            retry_s = next_retry_s(retry_s)
