@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from core.errors import DeadlineExceededError, EngineError, EngineTimeoutError
+from core.http1 import Http1Client
 from core.messages import WorkerRole
 from gateway.serving.upstream import EngineClient, EngineStream, UpstreamConfig
 from tests.http_app import served
@@ -166,10 +166,13 @@ async def test_events_without_read_first_yield_each_event_once() -> None:
     script = Script(burst=2, pause_s=0.01, then=1)
     async with _server(script) as base_url:
         worker = Worker("decode-0", WorkerRole.DECODE, base_url, healthy=True)
-        async with aiohttp.ClientSession() as session:
-            response = await session.post(f"{base_url}/v1/chat/completions", json={})
+        http = Http1Client(connect_timeout_s=5)
+        try:
+            response = await http.post(base_url, "/v1/chat/completions", b"{}", ())
             stream = EngineStream(response, worker, IDLE_S)
             try:
                 assert await _drain(stream.events()) == 3
             finally:
                 stream.close()
+        finally:
+            await http.aclose()
