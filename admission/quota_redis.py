@@ -22,7 +22,6 @@ they cost the gateway 2.5 to 3.4 times the CPU (``python -m bench.quota_store_ca
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from secrets import token_hex
 from typing import Any, TypeVar
 
 from admission.plans import QuotaLimits
@@ -36,6 +35,7 @@ from admission.quota import (
 )
 from admission.quota_memory import pick_denial, snapshot_from_levels
 from admission.redis_conn import bounded
+from core.ids import random_hex
 from core.redis_pipe import LuaScript, PipelinedRedis
 
 _T = TypeVar("_T")
@@ -161,7 +161,7 @@ class RedisQuotaStore:
         """Atomically take one request, ``tokens`` tokens and a concurrency hold that expires
         after ``hold_s`` seconds, or nothing."""
         check_reserve_args(tokens, hold_s)
-        reservation_id = token_hex(16)
+        reservation_id = random_hex()
         args = [
             *_capacities(limits),
             _cap(limits.max_concurrent),

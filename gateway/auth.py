@@ -121,20 +121,20 @@ class Authenticator:
         """The caller behind an ``Authorization`` header, or 401."""
         token = bearer_token(authorization)
         if not self._required:
-            found = await self._lookup(token) if token else None
+            found = await self._lookup(hash_key(token)) if token else None
             if found is None or found[0].is_revoked:
                 return Caller(ANONYMOUS, None)
             return self._accept(*found)
-        return await self.guarded(token, lambda: self._tenant_caller(token))
+        return await self.guarded(token, lambda digest: self._tenant_caller(token, digest))
 
-    async def _tenant_caller(self, token: str | None) -> Caller:
-        if token is None:
+    async def _tenant_caller(self, token: str | None, digest: str | None) -> Caller:
+        if token is None or digest is None:
             raise AuthenticationError(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
                 "(the OpenAI SDKs do this with api_key=...).",
                 code="missing_api_key",
             )
-        found = await self._lookup(token)
+        found = await self._lookup(digest)
         if found is None:
             raise AuthenticationError(
                 f"Incorrect API key provided: {_redact(token)}. Ask your Tandem admin for a key.",
@@ -146,10 +146,11 @@ class Authenticator:
             )
         return self._accept(*found)
 
-    async def guarded(self, token: str | None, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt`` (which authenticates ``token``, raising ``AuthenticationError`` when
-        that fails) under this request's client's failed-authentication allowance: 429 while
-        the client is throttled, unless ``token`` is a key this gateway holds as valid.
+    async def guarded(self, token: str | None, attempt: Callable[[str | None], Awaitable[T]]) -> T:
+        """``attempt`` (which authenticates ``token``, given its ``hash_key`` digest, hashed
+        once a request; raising ``AuthenticationError`` when that fails) under this request's
+        client's failed-authentication allowance: 429 while the client is throttled, unless
+        ``token`` is a key this gateway holds as valid.
 
         An attempt that will start a key lookup reserves a failure before it, given back
         unless the attempt fails: otherwise a burst of concurrent guesses would all be looked
@@ -164,7 +165,7 @@ class Authenticator:
         reserved = digest is not None and self._starts_lookup(digest)
         throttled_by = self._throttle.record_failure(client) if reserved else None
         try:
-            result = await attempt()
+            result = await attempt(digest)
         except AuthenticationError:
             if not reserved:
                 throttled_by = self._throttle.record_failure(client)
@@ -208,14 +209,14 @@ class Authenticator:
 
     async def is_tenant_key(self, token: str) -> bool:
         """Whether ``token`` is a tenant's key (to tell 403 from 401 on the admin API)."""
-        return await self._lookup(token) is not None
+        return await self._lookup(hash_key(token)) is not None
 
     def _accept(self, key: ApiKey, tenant: Tenant) -> Caller:
         self._last_used[key.key_id] = time.time()
         return Caller(tenant, key)
 
-    async def _lookup(self, token: str) -> tuple[ApiKey, Tenant] | None:
-        digest = hash_key(token)
+    async def _lookup(self, digest: str) -> tuple[ApiKey, Tenant] | None:
+        """The key whose ``hash_key`` digest this is, and its tenant; None for no such key."""
         cached = self._cache.get(digest)
         if cached is not None:
             age_s = self._clock() - cached.fetched_at
@@ -335,7 +336,7 @@ class AdminAuth:
         if token is not None and secrets.compare_digest(token.encode(), self._admin_key.encode()):
             return "admin-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
-        async def refuse() -> str:
+        async def refuse(_: str | None) -> str:
             if token is not None and await self._authenticator.is_tenant_key(token):
                 raise PermissionDeniedError(
                     "Tenant API keys cannot use the admin API; use the admin key "

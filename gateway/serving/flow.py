@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from admission.idempotency import StoredResponse
 from billing.records import idempotent_record_id
 from billing.service import Billing
 from core.errors import ClientDisconnectedError, TandemError
+from core.ids import random_hex
 from core.messages import Endpoint
 from core.request import Request, RequestPhase
 from gateway.auth import Caller
@@ -148,7 +148,7 @@ class RequestFlow:
         self._shadow = resolved.shadow
         self._shadow_max_in_flight = resolved.shadow_max_in_flight
         request = Request.receive(
-            secrets.token_hex(16), endpoint, model, body,
+            random_hex(), endpoint, model, body,
             tenant_id=tenant_id, key_id=key_id, deadline=deadline,
         )  # fmt: skip
         request.resolved_by = resolved.reason
