@@ -86,6 +86,22 @@ def answering(response: Callable[[int], bytes]) -> Handler:
     return handler
 
 
+def replying(data: bytes, *, then_close: bool = False) -> Handler:
+    """Reads one request and writes ``data``; then closes the connection (``then_close``) or
+    waits for the client to."""
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: Served
+    ) -> None:
+        await read_request(reader)
+        writer.write(data)
+        await writer.drain()
+        if not then_close:
+            await reader.read()
+
+    return handler
+
+
 @asynccontextmanager
 async def client(idle_s: float = 4.0) -> AsyncIterator[Http1Client]:
     http = Http1Client(connect_timeout_s=2, idle_s=idle_s)
@@ -203,14 +219,10 @@ async def test_a_new_connection_closed_without_an_answer_fails() -> None:
 
 
 async def test_a_body_cut_short_fails_its_reader() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: Served
-    ) -> None:
-        await read_request(reader)
-        writer.write(CHUNKED_HEAD + chunked(b"data: 1\n\n"))
-        await writer.drain()  # and the connection closes, the chunks unfinished
-
-    async with serve(handler) as served, client() as http:
+    async with (
+        serve(replying(CHUNKED_HEAD + chunked(b"data: 1\n\n"), then_close=True)) as served,
+        client() as http,
+    ):
         response = await http.post(served.base_url, "/", b"{}", ())
         assert await response.read_some() == b"data: 1\n\n"
         with pytest.raises(HttpConnectionError):
@@ -218,13 +230,12 @@ async def test_a_body_cut_short_fails_its_reader() -> None:
 
 
 async def test_a_body_that_ends_with_its_connection_is_whole() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: Served
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-
-    async with serve(handler) as served, client() as http:
+    async with (
+        serve(
+            replying(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it", then_close=True)
+        ) as served,
+        client() as http,
+    ):
         response = await http.post(served.base_url, "/", b"{}", ())
         assert await response.read() == b"all of it"
 
@@ -242,27 +253,13 @@ async def test_connection_close_and_idle_connections_are_not_used_again() -> Non
 
 
 async def test_bad_http_fails_the_request() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: Served
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
-        await reader.read()
-
-    async with serve(handler) as served, client() as http:
+    async with serve(replying(b"NOT HTTP AT ALL\r\n\r\n")) as served, client() as http:
         with pytest.raises(HttpConnectionError, match="not valid HTTP"):
             await http.post(served.base_url, "/", b"{}", ())
 
 
 async def test_fail_ends_a_waiting_read_after_what_arrived() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: Served
-    ) -> None:
-        await read_request(reader)
-        writer.write(CHUNKED_HEAD + chunked(b"early"))
-        await reader.read()
-
-    async with serve(handler) as served, client() as http:
+    async with serve(replying(CHUNKED_HEAD + chunked(b"early"))) as served, client() as http:
         response = await http.post(served.base_url, "/", b"{}", ())
         await asyncio.sleep(0.05)  # "early" has arrived
         response.fail(LookupError("watchdog"))
