@@ -34,7 +34,7 @@ _TOKENS_REPLY_PRIMING = 3
 # tokenizer takes about 0.2 us a character of prose (bench/token_counting.py) and a thread hop
 # about 30 us of the loop's CPU: the loop stalls for at most about 0.4 ms, and a hop costs
 # less than a tenth of the counting it moves.
-_INLINE_CHARS = 2_000
+INLINE_CHARS = 2_000
 _MEMO_ENTRIES = 16_384
 """Texts whose counts a tokenizer counter keeps (about 200 bytes each: no text is kept)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -188,7 +188,7 @@ def requested_max_tokens(
 
 async def count_texts(counter: TokenCounter, texts: Sequence[str]) -> int:
     """The tokens of ``texts`` together: those ``counter`` knows looked up, the others counted
-    (in a thread past ``_INLINE_CHARS`` characters) and remembered."""
+    (in a thread past ``INLINE_CHARS`` characters) and remembered."""
     total = 0
     unknown: list[str] = []
     for text in texts:
@@ -199,7 +199,7 @@ async def count_texts(counter: TokenCounter, texts: Sequence[str]) -> int:
             total += tokens
     if not unknown:
         return total
-    if sum(len(text) for text in unknown) > _INLINE_CHARS:
+    if sum(len(text) for text in unknown) > INLINE_CHARS:
         counts = await asyncio.to_thread(_count_each, counter, unknown)
     else:
         counts = _count_each(counter, unknown)

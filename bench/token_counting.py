@@ -10,10 +10,11 @@ median over ``--repeat`` runs, in microseconds:
 
 - per text, by its length: ``encode`` (what the counter called before), the counter's
   ``count`` (the fast form: no offsets), and a text it counted lately (``known``);
-- a chat conversation of 20 turns (a 120-word user message and a 120-word answer each): the
+- a chat conversation of 20 turns (a 120-word user message and a 120-word answer each, cut to
+  half of admission's inline limit, ``INLINE_CHARS``, where the docs' words run long): the
   prompt's count at turns 1, 5, 10 and 20, every text counted each time against
   ``count_texts`` with the counter's memory of recent texts (each turn brings two texts it
-  has not seen: the last answer and the new question).
+  has not seen: the last answer and the new question, counted inline).
 
 Figures, never assertions: compare medians of runs on the same machine.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from admission.tokens import TokenizerCounter, count_texts
+from admission.tokens import INLINE_CHARS, TokenizerCounter, count_texts
 from workers.model import prepare_in_subprocess
 
 _DOCS = Path(__file__).resolve().parent.parent / "docs" / "ARCHITECTURE.md"
@@ -48,6 +49,11 @@ def texts_of(words: list[str], num_words: int, count: int) -> list[str]:
     """``count`` distinct texts of ``num_words`` words each, taken along the corpus."""
     step = max(1, (len(words) - num_words) // count)
     return [" ".join(words[i * step : i * step + num_words]) for i in range(count)]
+
+
+def within(text: str, max_chars: int) -> str:
+    """``text`` cut after its last word that ends within ``max_chars`` characters."""
+    return text if len(text) <= max_chars else text[: max_chars + 1].rsplit(" ", 1)[0]
 
 
 def median_us(call: Callable[[str], object], batches: list[list[str]]) -> float:
@@ -88,7 +94,12 @@ def per_text(tokenizer_file: Path, words: list[str], repeat: int) -> None:
 
 
 def conversation(tokenizer_file: Path, words: list[str], repeat: int) -> None:
-    messages = texts_of(words, _WORDS_PER_MESSAGE, 2 * _TURNS)
+    # A turn's two new texts stay within the inline limit whatever the docs' words are (a
+    # long command line in them would otherwise send the count to a thread).
+    messages = [
+        within(message, INLINE_CHARS // 2)
+        for message in texts_of(words, _WORDS_PER_MESSAGE, 2 * _TURNS)
+    ]
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     for message in messages:
         tokenizer.encode(message, add_special_tokens=False)

@@ -108,9 +108,9 @@ async def test_long_prompts_count_the_same_off_the_loop() -> None:
     result = await estimate(Endpoint.COMPLETIONS, {"prompt": ["word " * 100]}, counter=short)
     assert (result.prompt_tokens, short.threads) == (100, {loop_thread})
     long = Words()
-    text = "word " * (tokens._INLINE_CHARS // 5 + 1)  # past the inline limit: in a thread
+    text = "word " * (tokens.INLINE_CHARS // 5 + 1)  # past the inline limit: in a thread
     result = await estimate(Endpoint.COMPLETIONS, {"prompt": [text, "x"]}, counter=long)
-    assert result.prompt_tokens == tokens._INLINE_CHARS // 5 + 2
+    assert result.prompt_tokens == tokens.INLINE_CHARS // 5 + 2
     assert long.threads and loop_thread not in long.threads
 
 
@@ -131,11 +131,11 @@ async def test_a_conversations_next_turn_counts_only_its_new_text() -> None:
 
 async def test_only_what_is_left_to_count_decides_the_thread_hop() -> None:
     counter = Words()
-    long = "word " * (tokens._INLINE_CHARS // 5 + 1)
+    long = "word " * (tokens.INLINE_CHARS // 5 + 1)
     await estimate(Endpoint.COMPLETIONS, {"prompt": long}, counter=counter)
     counter.threads.clear()
     result = await estimate(Endpoint.COMPLETIONS, {"prompt": [long, "two words"]}, counter=counter)
-    assert result.prompt_tokens == tokens._INLINE_CHARS // 5 + 3
+    assert result.prompt_tokens == tokens.INLINE_CHARS // 5 + 3
     assert counter.threads == {threading.get_ident()}  # the long one was known
 
 
