@@ -309,10 +309,17 @@ class Http1Client:
         return await self._exchange(await self._connect(origin), data)
 
     async def _exchange(self, connection: _Connection, data: tuple[bytes, bytes]) -> Http1Response:
+        head = connection.send(data)
         try:
-            return await connection.send(data)
+            return await head
         except BaseException:
-            connection.close()
+            if head.done() and not head.cancelled() and head.exception() is None:
+                # The head came as the caller left: only its response is let go. Its
+                # connection may be back in the pool already (the whole answer came), even
+                # serving another request, which closing it here would break.
+                head.result().close()
+            else:
+                connection.close()
             raise
 
     def _reused(self, origin: Origin) -> _Connection | None:

@@ -1,18 +1,20 @@
 """``core/http1.py`` against real sockets: a server written per test, byte by byte, so each
 case (kept-alive connections, a connection closed under a request, a body cut short, one
-that ends with its connection, bad HTTP) happens exactly as the test says."""
+that ends with its connection, bad HTTP) happens exactly as the test says. One race that
+real sockets would show only by chance (a caller leaving just as its whole answer came) is
+played over a transport that keeps what is written."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
 import uvloop
 
-from core.http1 import Http1Client, HttpConnectionError, Origin
+from core.http1 import Http1Client, HttpConnectionError, Origin, _Connection
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Served"], Awaitable[None]]
 
@@ -300,3 +302,36 @@ def test_a_round_trip_on_uvloop_the_gateways_loop() -> None:
             return first, second, served.connections
 
     assert uvloop.run(round_trip()) == (b"0", b"1", 1)
+
+
+class _Wire(asyncio.Transport):
+    """A transport that keeps what is written, for one exact interleaving the loop decides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def writelines(self, data: Iterable[bytes]) -> None:  # type: ignore[override]
+        self.written.extend(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+async def test_a_caller_leaving_as_the_answer_came_keeps_the_pooled_connection() -> None:
+    http = Http1Client(connect_timeout_s=2)
+    origin = http.origin("http://127.0.0.1:9")
+    connection = _Connection(http, origin)
+    wire = _Wire()
+    connection.connection_made(wire)
+    exchange = asyncio.ensure_future(http._exchange(connection, (b"POST / HTTP/1.1\r\n\r\n", b"")))
+    await asyncio.sleep(0)  # the request is written; the caller waits for the head
+    connection.data_received(answer(b"ok"))  # the whole answer: the connection is pooled
+    exchange.cancel()  # and the caller leaves before it ran again
+    await asyncio.wait([exchange])
+    assert not wire.closed
+    assert http._reused(origin) is connection
