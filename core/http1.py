@@ -14,8 +14,9 @@ The contract:
 - A response read to its end gives its connection back for the next call (unless the server
   said ``Connection: close``). ``close()`` before that drops the connection: the server sees
   its client leave (vLLM aborts the request). A cancelled ``post`` drops it too.
-- Connections idle longer than ``idle_s`` are not used again: it sits below uvicorn's own
-  keep-alive (5 s), so the server never closes a connection this client is about to use. A
+- Connections idle longer than ``idle_s`` are not used again, and are closed when another
+  connection to their origin comes back: ``idle_s`` sits below uvicorn's own keep-alive
+  (5 s), so the server never closes a connection this client is about to use. A
   connection used before that fails with nothing received is tried once more on a new one
   (the server closed it as the request went out, so it never read the request).
 - Errors are ``OSError``s: ``TimeoutError`` when no connection opens within the connect
@@ -270,9 +271,12 @@ class Http1Client:
     """Kept-alive HTTP/1.1 connections to the workers, per origin; ``aclose()`` at the end."""
 
     def __init__(self, connect_timeout_s: float, idle_s: float = 4.0) -> None:
+        if idle_s <= 0:
+            raise ValueError(f"idle_s must be > 0, got {idle_s}")
         self._connect_timeout_s = connect_timeout_s
         self._idle_s = idle_s
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, deque[_Connection]] = {}
+        """Per origin, the idle connections, oldest first."""
         self._origins: dict[str, Origin] = {}
         self._open: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
@@ -359,8 +363,13 @@ class Http1Client:
         if self._closed:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
-        self._idle.setdefault(connection.origin, []).append(connection)
+        now = connection.idle_since = time.monotonic()
+        idle = self._idle.setdefault(connection.origin, deque())
+        idle.append(connection)
+        # Those idle too long go now: after a burst, its connections are not held open until
+        # the server closes them (or for ever, where it never does).
+        while now - idle[0].idle_since >= self._idle_s:
+            idle.popleft().close()
 
     def forget(self, connection: _Connection) -> None:
         """A closed connection: out of the pool."""

@@ -254,6 +254,32 @@ async def test_connection_close_and_idle_connections_are_not_used_again() -> Non
         assert served.connections == 3  # the second sat idle too long
 
 
+async def test_a_connection_idle_too_long_is_closed_when_another_comes_back() -> None:
+    left: list[int] = []  # the connections whose client closed them, by number
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, served: Served
+    ) -> None:
+        number = served.connections
+        while await read_request(reader) is not None:
+            writer.write(answer(b"ok"))
+        left.append(number)
+
+    async with serve(handler) as served, client(idle_s=0.5) as http:
+        first, second = await asyncio.gather(
+            *(http.post(served.base_url, "/", b"{}", ()) for _ in range(2))
+        )
+        await first.read()
+        await second.read()  # two idle connections
+        await asyncio.sleep(0.3)
+        assert await (await http.post(served.base_url, "/", b"{}", ())).read() == b"ok"
+        await asyncio.sleep(0.35)  # one idle for 0.65 s, the other (used again) for 0.35 s
+        assert await (await http.post(served.base_url, "/", b"{}", ())).read() == b"ok"
+        await asyncio.sleep(0.1)
+        assert len(left) == 1  # the older one, closed when the other came back
+        assert served.connections == 2
+
+
 async def test_bad_http_fails_the_request() -> None:
     async with serve(replying(b"NOT HTTP AT ALL\r\n\r\n")) as served, client() as http:
         with pytest.raises(HttpConnectionError, match="not valid HTTP"):
