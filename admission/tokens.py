@@ -1,12 +1,14 @@
 """Token estimates made before admission: what a request may cost at most.
 
 The prompt is counted with the served model's own tokenizer (its ``tokenizer.json``, through
-HF ``tokenizers``: exact for the text, a few tokens short of the chat template). ``tiktoken`` was
-the other candidate; its encodings download from a blob store at first use, which a gateway
-in a closed network cannot reach, and it counts another model's tokens. Without a tokenizer
-file the estimate falls back to 4 characters per token. Reconciliation against the engine's
-usage corrects whatever the estimate got wrong. The same prompt count decides whether the
-request is split across a prefill and a decode worker (``kv_transfer.decider``).
+HF ``tokenizers``: exact for the text), and a chat conversation is priced what the model's
+chat template adds to it (``admission.chat_template``, measured as the tokenizer loads).
+``tiktoken`` was the other candidate; its encodings download from a blob store at first use,
+which a gateway in a closed network cannot reach, and it counts another model's tokens.
+Without a tokenizer file the estimate falls back to 4 characters per token. Reconciliation
+against the engine's usage corrects whatever the estimate got wrong. The same prompt count
+decides whether the request is split across a prefill and a decode worker
+(``kv_transfer.decider``).
 """
 
 from __future__ import annotations
@@ -21,15 +23,12 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from admission.chat_template import GENERIC, ChatTemplateCost, measure
 from core.messages import Endpoint
 from core.prompt import Prompt, TokenEstimate
 
 log = logging.getLogger("tandem.admission")
 
-# The chat template wraps each message (``<|im_start|>role\n ... <|im_end|>\n`` and the like)
-# and primes the reply; OpenAI's own cookbook counts 3-4 tokens per message plus 3.
-_TOKENS_PER_MESSAGE = 4
-_TOKENS_REPLY_PRIMING = 3
 # Past this many characters still to count, counting moves off the loop. The bundled model's
 # tokenizer takes about 0.2 us a character of prose (bench/token_counting.py) and a thread hop
 # about 30 us of the loop's CPU: the loop stalls for at most about 0.4 ms, and a hop costs
@@ -43,6 +42,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class TokenCounter(Protocol):
     """Counts the tokens of a text."""
+
+    template: ChatTemplateCost
+    """What the model's chat template adds to a conversation."""
 
     def count(self, text: str) -> int:
         """Tokens in ``text``, without special tokens. Safe to call from a thread: long
@@ -70,16 +72,20 @@ class TokenizerCounter:
     ``_MEMO_ENTRIES`` texts kept, a new text has about one chance in 10^15 of it.
     """
 
-    def __init__(self, tokenizer_file: Path) -> None:
+    def __init__(self, tokenizer_file: Path, template: ChatTemplateCost = GENERIC) -> None:
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self._memo: OrderedDict[int, int] = OrderedDict()  # hash -> tokens, oldest use first
+        self.template = template
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> TokenCounter:
-        """The model folder's tokenizer, or the character estimate when it has none."""
-        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
-            return cls(model_dir / "tokenizer.json")
-        return CharCounter()
+        """The model folder's tokenizer and chat template, or the character estimate when it
+        has no tokenizer."""
+        if model_dir is None or not (model_dir / "tokenizer.json").is_file():
+            return CharCounter()
+        counter = cls(model_dir / "tokenizer.json")
+        counter.template = measure(model_dir, counter.count)
+        return counter
 
     def count(self, text: str) -> int:
         # The batch call's fast form computes no offsets (12-20 % less time than ``encode``
@@ -134,6 +140,8 @@ class TokenCounters:
 class CharCounter:
     """Four characters per token: the usual rule of thumb for English."""
 
+    template = GENERIC
+
     def count(self, text: str) -> int:
         return math.ceil(len(text) / 4)
 
@@ -156,7 +164,7 @@ async def estimate_tokens(
     prompt_tokens = await count_texts(counter, prompt.texts)
     prompt_tokens += prompt.num_literal_tokens
     if endpoint is Endpoint.CHAT:
-        prompt_tokens += _TOKENS_PER_MESSAGE * prompt.num_messages + _TOKENS_REPLY_PRIMING
+        prompt_tokens += counter.template.of(prompt.num_messages, prompt.led_by_system)
     return TokenEstimate(
         prompt_tokens=prompt_tokens,
         max_output_tokens=requested_max_tokens(endpoint, body, prompt_tokens, max_model_len),

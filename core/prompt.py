@@ -42,6 +42,9 @@ class Prompt:
     """Tokens given as ids: a completions prompt of token ids, or of lists of them."""
     num_messages: int
     """Chat messages (0 for completions)."""
+    led_by_system: bool = False
+    """The first chat message is a ``system`` one: a chat template that adds a default
+    system message to other conversations adds none (``admission.chat_template``)."""
     _owners: tuple[int, ...] = field(default=(), repr=False)
     """Per text, the index in :attr:`raw` of the message or entry holding it."""
 
@@ -72,6 +75,7 @@ class Prompt:
             texts=tuple(texts),
             num_literal_tokens=num_literal_tokens,
             num_messages=len(raw) if chat and isinstance(raw, list) else 0,
+            led_by_system=chat and _first_role(raw) == "system",
             _owners=tuple(owners),
         )
 
@@ -85,6 +89,7 @@ class Prompt:
             texts=(),
             num_literal_tokens=self.num_literal_tokens,
             num_messages=self.num_messages,
+            led_by_system=self.led_by_system,
         )
 
     def messages(self) -> Iterator[tuple[str, str]]:
@@ -99,6 +104,12 @@ class Prompt:
                 cursor += 1
             role = message.get("role") if isinstance(message, dict) else None
             yield str(role), "".join(self.texts[start:cursor])
+
+
+def _first_role(messages: Any) -> object:
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        return messages[0].get("role")
+    return None
 
 
 def walk_texts(

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from admission import tokens
+from admission.chat_template import GENERIC, ChatTemplateCost
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CharCounter,
@@ -25,7 +26,8 @@ class Words:
     """A counter with known answers: one token per word. It notes what it counted and on
     which threads, and remembers what it is told to."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: ChatTemplateCost = GENERIC) -> None:
+        self.template = template
         self.counted: list[str] = []
         self.threads: set[int] = set()
         self.remembered: dict[str, int] = {}
@@ -75,6 +77,14 @@ async def test_chat_counts_texts_and_the_template() -> None:
         "max_tokens",
         1,
     )
+
+
+@pytest.mark.parametrize(("first_role", "added"), [("system", 2 * 5 + 3), ("user", 2 * 5 + 20)])
+async def test_chat_is_priced_with_the_counters_template(first_role: str, added: int) -> None:
+    messages = [{"role": first_role, "content": "two words"}, {"role": "user", "content": "one"}]
+    counter = Words(ChatTemplateCost(per_message=5, fixed=20, fixed_after_system=3))
+    result = await estimate(Endpoint.CHAT, {"messages": messages}, counter=counter)
+    assert result.prompt_tokens == 3 + added
 
 
 @pytest.mark.parametrize(

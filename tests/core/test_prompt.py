@@ -35,6 +35,7 @@ def test_chat_prompt() -> None:
     assert prompt.raw is CHAT["messages"]  # as sent, not a copy
     assert prompt.texts == ("be nice", "look", "at this", "well?")
     assert prompt.num_messages == 4
+    assert prompt.led_by_system and prompt.without_texts().led_by_system
     assert prompt.num_literal_tokens == 0
     assert list(prompt.messages()) == [
         ("system", "be nice"),
@@ -42,6 +43,14 @@ def test_chat_prompt() -> None:
         ("assistant", ""),
         ("user", "well?"),
     ]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": "hi"}], [{"role": "developer", "content": "x"}], [], ["x"]],
+)
+def test_only_a_system_message_first_leads_a_conversation(messages: list[Any]) -> None:
+    assert not Prompt.parse(Endpoint.CHAT, {"model": "m", "messages": messages}).led_by_system
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,132 @@
+"""What a model's chat template adds to a conversation's tokens, measured once per model.
+
+The engine renders a chat request through the model's chat template before it counts the
+prompt: each message gets its role's markers, the reply is primed, and many templates add a
+default system message to a conversation that has none (the bundled SmolLM2's adds 19 tokens).
+Admission counts the message texts (``admission.tokens``); this module prices the rest, so a
+reservation is what the engine will count and not ~25 tokens short of it. A reservation short
+of the usage leaves a debt that only the reconcile pays, and a reconcile lost to a quota-store
+outage then lets the tenant past its TPM.
+
+The template is rendered as transformers (and so vLLM) renders it: a sandboxed Jinja
+environment with ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception``, ``strftime_now``,
+and the tokenizer's special tokens as variables. It is rendered for a few conversations of
+empty messages and each rendering counted:
+
+- ``per_message``: half the tokens that two more messages (assistant, user) add;
+- ``fixed``: one user message's conversation less one message (the priming, and the default
+  system message of a template that adds one);
+- ``fixed_after_system``: the same for a conversation led by a system message.
+
+Texts are counted apart from their markers, which can only over-count: a token that spans a
+marker and a text is counted in both. A template that cannot be read or rendered for these
+conversations (one that needs tools, or Jinja tags transformers adds) leaves the generic price,
+the 3-4 tokens a message and 3 of priming OpenAI's cookbook counts, and a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger("tandem.admission")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateCost:
+    """Tokens a chat template adds around a conversation's texts."""
+
+    per_message: int
+    fixed: int
+    """Added once to a conversation not led by a system message (the reply's priming and any
+    default system message)."""
+    fixed_after_system: int
+    """Added once to a conversation led by a system message."""
+
+    def of(self, num_messages: int, led_by_system: bool) -> int:
+        """The tokens the template adds to a conversation of ``num_messages`` messages."""
+        return self.per_message * num_messages + (
+            self.fixed_after_system if led_by_system else self.fixed
+        )
+
+
+GENERIC = ChatTemplateCost(per_message=4, fixed=3, fixed_after_system=3)
+"""Without a template to measure."""
+
+
+def measure(model_dir: Path, count: Callable[[str], int]) -> ChatTemplateCost:
+    """The cost of ``model_dir``'s chat template, its renderings counted with ``count`` (the
+    model's tokenizer, special tokens as one token each); ``GENERIC`` when there is none or
+    it cannot be rendered."""
+    try:
+        found = _read_template(model_dir)
+        if found is None:
+            return GENERIC
+        template, variables = found
+        render = _compile(template, variables)
+        one = count(render([_message("user")]))
+        three = count(render([_message("user"), _message("assistant"), _message("user")]))
+        led = count(render([_message("system"), _message("user")]))
+    except Exception as exc:  # noqa: BLE001 - Jinja and JSON raise many kinds; all mean "unreadable"
+        log.warning(
+            "cannot measure the chat template of %s (%s); pricing %d tokens a message",
+            model_dir, exc, GENERIC.per_message,
+        )  # fmt: skip
+        return GENERIC
+    per_message = max(0, math.ceil((three - one) / 2))
+    return ChatTemplateCost(
+        per_message=per_message,
+        fixed=max(0, one - per_message),
+        fixed_after_system=max(0, led - 2 * per_message),
+    )
+
+
+def _message(role: str) -> dict[str, str]:
+    return {"role": role, "content": ""}
+
+
+def _read_template(model_dir: Path) -> tuple[str, dict[str, str]] | None:
+    """The template (``chat_template.jinja`` first, as transformers reads it, else
+    ``tokenizer_config.json``'s default one) and the special tokens it may refer to."""
+    config_file = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    variables = {
+        name: value["content"] if isinstance(value, dict) else value
+        for name, value in config.items()
+        if name.endswith("_token") and isinstance(value, str | dict)
+    }
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(), variables
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one is the chat's
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return (template, variables) if isinstance(template, str) else None
+
+
+def _compile(template: str, variables: dict[str, str]) -> Callable[[list[dict[str, str]]], str]:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    compiled = env.from_string(template)
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return compiled.render(messages=messages, add_generation_prompt=True, **variables)
+
+    return render
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)

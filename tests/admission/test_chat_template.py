@@ -1,0 +1,116 @@
+"""A chat template's price, measured by rendering it: the texts plus that price are what the
+whole rendered conversation counts."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from admission.chat_template import GENERIC, ChatTemplateCost, measure
+from admission.tokens import TokenizerCounter, estimate_tokens
+from core.messages import Endpoint
+from core.prompt import Prompt
+
+# ChatML with a default system message, as the bundled SmolLM2's (``loop.first`` and all).
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def model_folder(path: Path, config: Mapping[str, object], jinja: str | None = None) -> Path:
+    """A word-level tokenizer (a token a word, markers one token each) and ``config``."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", "<s>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    return path
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "name one colour"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name one colour"}],
+    [
+        {"role": "user", "content": "name one colour"},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": "and another one"},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user", "system-led", "three-turns"])
+async def test_an_estimate_counts_what_the_engine_renders(
+    tmp_path: Path, messages: list[dict[str, str]]
+) -> None:
+    folder = model_folder(tmp_path, {"chat_template": CHATML})
+    counter = TokenizerCounter.for_model(folder)
+    assert counter.template == ChatTemplateCost(per_message=3, fixed=10, fixed_after_system=2)
+    body = {"model": "m", "messages": messages}
+    estimate = await estimate_tokens(
+        Endpoint.CHAT, body, Prompt.parse(Endpoint.CHAT, body), counter, None
+    )
+    # What the engine counts: the template rendered around the real texts.
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rendered = "".join(
+        (
+            "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+            if i == 0 and m["role"] != "system"
+            else ""
+        )
+        + f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        for i, m in enumerate(messages)
+    )
+    rendered += "<|im_start|>assistant\n"
+    assert estimate.prompt_tokens == len(tokenizer.encode(rendered).ids)
+
+
+def test_the_jinja_file_wins_and_special_tokens_are_variables(tmp_path: Path) -> None:
+    config = {"chat_template": "{{ raise_exception('not this one') }}", "bos_token": "<s>"}
+    folder = model_folder(tmp_path, config, jinja="{{ bos_token }}" + CHATML)
+    counter = TokenizerCounter.for_model(folder)
+    assert counter.template == ChatTemplateCost(per_message=3, fixed=11, fixed_after_system=3)
+
+
+def test_named_templates_use_the_default_one(tmp_path: Path) -> None:
+    named = [{"name": "tool_use", "template": "{{ 'a b c d e f g' }}"}, {"name": "default", "template": CHATML}]  # fmt: skip
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": named}))
+    assert counter.template.fixed == 10
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        None,  # no template at all
+        "{{ raise_exception('Conversation roles must alternate') }}",  # refuses the probes
+        "{% generation %}{{ messages }}{% endgeneration %}",  # a tag transformers adds
+    ],
+)
+def test_a_template_it_cannot_render_leaves_the_generic_price(
+    tmp_path: Path, template: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = {} if template is None else {"chat_template": template}
+    with caplog.at_level(logging.WARNING, "tandem.admission"):
+        counter = TokenizerCounter.for_model(model_folder(tmp_path, config))
+    assert counter.template == GENERIC
+    assert bool(caplog.records) == (template is not None)
+
+
+def test_measure_reads_no_folder_without_a_template(tmp_path: Path) -> None:
+    assert measure(tmp_path, lambda text: len(text.split())) == GENERIC
+
+
+def test_the_price_depends_on_the_first_role() -> None:
+    cost = ChatTemplateCost(per_message=5, fixed=20, fixed_after_system=3)
+    assert (cost.of(2, led_by_system=False), cost.of(2, led_by_system=True)) == (30, 13)
