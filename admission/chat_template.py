@@ -2,9 +2,10 @@
 
 The engine renders a chat request through the model's chat template before it counts the
 prompt: each message gets its role's markers, the reply is primed, and many templates add a
-default system message to a conversation that has none (the bundled SmolLM2's adds 19 tokens).
+default system message to a conversation that has none (the bundled SmolLM2's adds 21 tokens).
 Admission counts the message texts (``admission.tokens``); this module prices the rest, so a
-reservation is what the engine will count and not ~25 tokens short of it. A reservation short
+reservation holds what the engine will count (a one-message chat on the bundled model was 23
+tokens short of it when priced 4 a message and 3 of priming). A reservation short
 of the usage leaves a debt that only the reconcile pays, and a reconcile lost to a quota-store
 outage then lets the tenant past its TPM.
 
@@ -18,10 +19,14 @@ empty messages and each rendering counted:
   system message of a template that adds one);
 - ``fixed_after_system``: the same for a conversation led by a system message.
 
-Texts are counted apart from their markers, which can only over-count: a token that spans a
-marker and a text is counted in both. A template that cannot be read or rendered for these
-conversations (one that needs tools, or Jinja tags transformers adds) leaves the generic price,
-the 3-4 tokens a message and 3 of priming OpenAI's cookbook counts, and a warning.
+Texts are counted apart from their markers. A token that would span a marker and a text is
+then counted in both, and half tokens a message round up: the price errs towards reserving a
+little more, never less, on the templates measured (``tests/admission/test_chat_template.py``,
+and the real engine's count in ``tests/e2e/test_admission.py``).
+
+A template that cannot be read or rendered for these conversations (one that needs tools, or
+Jinja tags transformers adds) leaves the generic price, the 3-4 tokens a message and 3 of
+priming OpenAI's cookbook counts, and a warning.
 """
 
 from __future__ import annotations
