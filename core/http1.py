@@ -23,6 +23,10 @@ The contract:
   timeout, ``ConnectionError`` (``HttpConnectionError``) for a refused, reset or closed
   connection and for a malformed response. ``fail(exc)`` ends a response's reads with
   ``exc`` (a caller's watchdog).
+- An ``https://`` worker's certificate and name are verified against the system's
+  authorities (``ssl.create_default_context``, as aiohttp did): ``SSL_CERT_FILE`` or
+  ``SSL_CERT_DIR`` in the gateway's environment names a private CA's instead. A certificate
+  that fails is an ``HttpConnectionError`` saying so.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ played over a transport that keeps what is written."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import trustme
 import uvloop
 
 from core.http1 import Http1Client, HttpConnectionError, Origin, _Connection
@@ -54,9 +57,9 @@ CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 @asynccontextmanager
-async def serve(handler: Handler) -> AsyncIterator[Served]:
-    """A server on a free port; ``handler`` gets each connection (``served.connections``
-    counts them, this one included)."""
+async def serve(handler: Handler, tls: ssl.SSLContext | None = None) -> AsyncIterator[Served]:
+    """A server on a free port (HTTPS with ``tls``); ``handler`` gets each connection
+    (``served.connections`` counts them, this one included)."""
     served = Served("")
 
     async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -66,8 +69,9 @@ async def serve(handler: Handler) -> AsyncIterator[Served]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(connected, "127.0.0.1", 0)
-    served.base_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server = await asyncio.start_server(connected, "127.0.0.1", 0, ssl=tls)
+    scheme = "https" if tls else "http"
+    served.base_url = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         yield served
     finally:
@@ -328,6 +332,34 @@ def test_a_round_trip_on_uvloop_the_gateways_loop() -> None:
             return first, second, served.connections
 
     assert uvloop.run(round_trip()) == (b"0", b"1", 1)
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_https_workers_are_checked_against_the_trusted_authorities(
+    run: Callable[[Awaitable[tuple[bytes, bytes]]], tuple[bytes, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ``https://`` worker's certificate is verified against the system's authorities;
+    ``SSL_CERT_FILE`` names others (a private CA's), as OpenSSL reads it."""
+    authority = trustme.CA()
+    authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(server_side)
+
+    async def round_trips() -> tuple[bytes, bytes]:
+        async with serve(answering(lambda i: answer(b"%d" % i)), tls=server_side) as served:
+            async with client() as http:
+                with pytest.raises(HttpConnectionError, match="certificate verify failed"):
+                    await http.post(served.base_url, "/", b"{}", ())
+            monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+            async with client() as http:
+                first = await (await http.post(served.base_url, "/", b"{}", ())).read()
+                second = await (await http.post(served.base_url, "/", b"{}", ())).read()
+            assert served.connections == 1  # kept alive over TLS too
+            return first, second
+
+    assert run(round_trips()) == (b"0", b"1")
 
 
 class _Wire(asyncio.Transport):
