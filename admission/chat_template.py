@@ -24,9 +24,15 @@ then counted in both, and half tokens a message round up: the price errs towards
 little more, never less, on the templates measured (``tests/admission/test_chat_template.py``,
 and the real engine's count in ``tests/e2e/test_admission.py``).
 
+A request's tool definitions are priced by rendering the template with them around one
+empty message, less that message's rendering: exact, whether the template writes each tool's
+JSON, reformats it, or leaves tools out (the bundled SmolLM2's does: they add nothing). The
+tokenizer counter keeps the answer like a text's count, since an application sends the same
+tools every time. Tool calls in earlier assistant messages are not priced.
+
 A template that cannot be read or rendered for these conversations (one that needs tools, or
 Jinja tags transformers adds) leaves the generic price, the 3-4 tokens a message and 3 of
-priming OpenAI's cookbook counts, and a warning.
+priming OpenAI's cookbook counts, tools priced as their JSON, and a warning.
 """
 
 from __future__ import annotations
@@ -67,15 +73,50 @@ class ChatTemplateCost:
 GENERIC = ChatTemplateCost(per_message=4, fixed=3, fixed_after_system=3)
 """Without a template to measure."""
 
+Count = Callable[[str], int]
+_Render = Callable[..., str]
 
-def measure(model_dir: Path, count: Callable[[str], int]) -> ChatTemplateCost:
-    """The cost of ``model_dir``'s chat template, its renderings counted with ``count`` (the
-    model's tokenizer, special tokens as one token each); ``GENERIC`` when there is none or
-    it cannot be rendered."""
+
+class ChatTemplate:
+    """A model's chat template as admission prices it: ``cost`` around the messages, and
+    ``tools_tokens`` for a request's tool definitions."""
+
+    def __init__(
+        self, cost: ChatTemplateCost, count: Count, render: _Render | None = None, one: int = 0
+    ) -> None:
+        """``render`` renders the template (``one``: its one-empty-message conversation's
+        tokens); None prices tools as their JSON."""
+        self.cost = cost
+        self._count = count
+        self._render = render
+        self._one = one
+
+    @classmethod
+    def generic(cls, count: Count) -> ChatTemplate:
+        """No template to render: ``GENERIC``, and tools priced as their JSON."""
+        return cls(GENERIC, count)
+
+    def tools_tokens(self, tools: list[Any]) -> int:
+        """What a request's ``tools`` add to its prompt: the template rendered with them (a
+        template that leaves them out adds nothing); their JSON when it cannot be rendered
+        with them, or there is no template. Can take a while for many tools: called off the
+        loop for long ones (``admission.tokens``)."""
+        if self._render is not None:
+            try:
+                return max(0, self._count(self._render([_message("user")], tools)) - self._one)
+            except Exception as exc:  # noqa: BLE001 - a template rejects a shape many ways
+                log.info("chat template cannot render these tools (%s): priced as JSON", exc)
+        return self._count(json.dumps(tools, ensure_ascii=False))
+
+
+def measure(model_dir: Path, count: Count) -> ChatTemplate:
+    """``model_dir``'s chat template, its renderings counted with ``count`` (the model's
+    tokenizer, special tokens as one token each); ``ChatTemplate.generic`` when there is none
+    or it cannot be rendered."""
     try:
         found = _read_template(model_dir)
         if found is None:
-            return GENERIC
+            return ChatTemplate.generic(count)
         template, variables = found
         render = _compile(template, variables)
         one = count(render([_message("user")]))
@@ -86,13 +127,14 @@ def measure(model_dir: Path, count: Callable[[str], int]) -> ChatTemplateCost:
             "cannot measure the chat template of %s (%s); pricing %d tokens a message",
             model_dir, exc, GENERIC.per_message,
         )  # fmt: skip
-        return GENERIC
+        return ChatTemplate.generic(count)
     per_message = max(0, math.ceil((three - one) / 2))
-    return ChatTemplateCost(
+    cost = ChatTemplateCost(
         per_message=per_message,
         fixed=max(0, one - per_message),
         fixed_after_system=max(0, led - 2 * per_message),
     )
+    return ChatTemplate(cost, count, render, one)
 
 
 def _message(role: str) -> dict[str, str]:
@@ -118,7 +160,7 @@ def _read_template(model_dir: Path) -> tuple[str, dict[str, str]] | None:
     return (template, variables) if isinstance(template, str) else None
 
 
-def _compile(template: str, variables: dict[str, str]) -> Callable[[list[dict[str, str]]], str]:
+def _compile(template: str, variables: dict[str, str]) -> _Render:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -127,8 +169,10 @@ def _compile(template: str, variables: dict[str, str]) -> Callable[[list[dict[st
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     compiled = env.from_string(template)
 
-    def render(messages: list[dict[str, str]]) -> str:
-        return compiled.render(messages=messages, add_generation_prompt=True, **variables)
+    def render(messages: list[dict[str, str]], tools: list[Any] | None = None) -> str:
+        return compiled.render(
+            messages=messages, tools=tools, add_generation_prompt=True, **variables
+        )
 
     return render
 

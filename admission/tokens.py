@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
 from tokenizers import Tokenizer
 
-from admission.chat_template import GENERIC, ChatTemplateCost, measure
+from admission.chat_template import ChatTemplate, measure
 from core.messages import Endpoint
 from core.prompt import Prompt, TokenEstimate
 
@@ -34,6 +35,8 @@ log = logging.getLogger("tandem.admission")
 # about 30 us of the loop's CPU: the loop stalls for at most about 0.4 ms, and a hop costs
 # less than a tenth of the counting it moves.
 INLINE_CHARS = 2_000
+_TOOLS_KEY = "\x00tools:"
+"""Prefixes the JSON of a request's tools where their count is kept, apart from the texts'."""
 _MEMO_ENTRIES = 16_384
 """Texts whose counts a tokenizer counter keeps (about 200 bytes each: no text is kept)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -43,7 +46,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 class TokenCounter(Protocol):
     """Counts the tokens of a text."""
 
-    template: ChatTemplateCost
+    template: ChatTemplate
     """What the model's chat template adds to a conversation."""
 
     def count(self, text: str) -> int:
@@ -72,10 +75,10 @@ class TokenizerCounter:
     ``_MEMO_ENTRIES`` texts kept, a new text has about one chance in 10^15 of it.
     """
 
-    def __init__(self, tokenizer_file: Path, template: ChatTemplateCost = GENERIC) -> None:
+    def __init__(self, tokenizer_file: Path) -> None:
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self._memo: OrderedDict[int, int] = OrderedDict()  # hash -> tokens, oldest use first
-        self.template = template
+        self.template = ChatTemplate.generic(self.count)
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> TokenCounter:
@@ -140,7 +143,8 @@ class TokenCounters:
 class CharCounter:
     """Four characters per token: the usual rule of thumb for English."""
 
-    template = GENERIC
+    def __init__(self) -> None:
+        self.template = ChatTemplate.generic(self.count)
 
     def count(self, text: str) -> int:
         return math.ceil(len(text) / 4)
@@ -164,7 +168,10 @@ async def estimate_tokens(
     prompt_tokens = await count_texts(counter, prompt.texts)
     prompt_tokens += prompt.num_literal_tokens
     if endpoint is Endpoint.CHAT:
-        prompt_tokens += counter.template.of(prompt.num_messages, prompt.led_by_system)
+        prompt_tokens += counter.template.cost.of(prompt.num_messages, prompt.led_by_system)
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools:
+            prompt_tokens += await _tools_tokens(counter, tools)
     return TokenEstimate(
         prompt_tokens=prompt_tokens,
         max_output_tokens=requested_max_tokens(endpoint, body, prompt_tokens, max_model_len),
@@ -214,6 +221,20 @@ async def count_texts(counter: TokenCounter, texts: Sequence[str]) -> int:
     for text, tokens in zip(unknown, counts, strict=True):
         counter.remember(text, tokens)
     return total + sum(counts)
+
+
+async def _tools_tokens(counter: TokenCounter, tools: list[Any]) -> int:
+    """What a chat request's tool definitions add (``ChatTemplate.tools_tokens``), kept like a
+    text's count: an application sends the same tools with every request."""
+    key = _TOOLS_KEY + orjson.dumps(tools).decode()
+    tokens = counter.known(key)
+    if tokens is None:
+        if len(key) > INLINE_CHARS:
+            tokens = await asyncio.to_thread(counter.template.tools_tokens, tools)
+        else:
+            tokens = counter.template.tools_tokens(tools)
+        counter.remember(key, tokens)
+    return tokens
 
 
 def _count_each(counter: TokenCounter, texts: Sequence[str]) -> list[int]:

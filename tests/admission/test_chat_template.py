@@ -7,12 +7,13 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from admission.chat_template import GENERIC, ChatTemplateCost, measure
-from admission.tokens import TokenizerCounter, estimate_tokens
+from admission.tokens import TokenCounter, TokenizerCounter, estimate_tokens
 from core.messages import Endpoint
 from core.prompt import Prompt
 
@@ -56,7 +57,7 @@ async def test_an_estimate_counts_what_the_engine_renders(
 ) -> None:
     folder = model_folder(tmp_path, {"chat_template": CHATML})
     counter = TokenizerCounter.for_model(folder)
-    assert counter.template == ChatTemplateCost(per_message=3, fixed=10, fixed_after_system=2)
+    assert counter.template.cost == ChatTemplateCost(per_message=3, fixed=10, fixed_after_system=2)
     body = {"model": "m", "messages": messages}
     estimate = await estimate_tokens(
         Endpoint.CHAT, body, Prompt.parse(Endpoint.CHAT, body), counter, None
@@ -76,17 +77,77 @@ async def test_an_estimate_counts_what_the_engine_renders(
     assert estimate.prompt_tokens == len(tokenizer.encode(rendered).ids)
 
 
+# Tools as Qwen's and Hermes' templates render them: each one's JSON in a system message.
+CHATML_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools:' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}" + CHATML
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "time", "description": "now, in a city"}},
+]
+
+
+async def estimate_of(counter: TokenCounter, messages: list[Any], tools: list[Any]) -> int:
+    body = {"model": "m", "messages": messages, "tools": tools}
+    prompt = Prompt.parse(Endpoint.CHAT, body)
+    return (await estimate_tokens(Endpoint.CHAT, body, prompt, counter, None)).prompt_tokens
+
+
+async def test_tools_are_priced_as_the_template_renders_them(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path, {"chat_template": CHATML_TOOLS})
+    counter = TokenizerCounter.for_model(folder)
+    messages = CONVERSATIONS[0]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tool_lines = "".join("\n" + json.dumps(tool) for tool in TOOLS)
+    rendered = (
+        f"<|im_start|>system\nTools:{tool_lines}<|im_end|>\n"
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+        "<|im_start|>user\nname one colour<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert await estimate_of(counter, messages, TOOLS) == len(tokenizer.encode(rendered).ids)
+
+
+async def test_tools_a_template_leaves_out_add_nothing_and_are_counted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": CHATML}))
+    without = await estimate_of(counter, CONVERSATIONS[0], [])
+    renders = 0
+    tools_tokens = counter.template.tools_tokens
+
+    def counted(tools: list[Any]) -> int:
+        nonlocal renders
+        renders += 1
+        return tools_tokens(tools)
+
+    monkeypatch.setattr(counter.template, "tools_tokens", counted)
+    assert await estimate_of(counter, CONVERSATIONS[0], TOOLS) == without
+    led = CONVERSATIONS[1]
+    assert await estimate_of(counter, led, TOOLS) == await estimate_of(counter, led, [])
+    assert renders == 1  # the same tools again: their count was kept
+
+
+async def test_without_a_template_tools_are_priced_as_their_json(tmp_path: Path) -> None:
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {}))
+    without = await estimate_of(counter, CONVERSATIONS[0], [])
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    json_tokens = len(tokenizer.encode(json.dumps(TOOLS)).ids)
+    assert await estimate_of(counter, CONVERSATIONS[0], TOOLS) == without + json_tokens
+
+
 def test_the_jinja_file_wins_and_special_tokens_are_variables(tmp_path: Path) -> None:
     config = {"chat_template": "{{ raise_exception('not this one') }}", "bos_token": "<s>"}
     folder = model_folder(tmp_path, config, jinja="{{ bos_token }}" + CHATML)
     counter = TokenizerCounter.for_model(folder)
-    assert counter.template == ChatTemplateCost(per_message=3, fixed=11, fixed_after_system=3)
+    assert counter.template.cost == ChatTemplateCost(per_message=3, fixed=11, fixed_after_system=3)
 
 
 def test_named_templates_use_the_default_one(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "{{ 'a b c d e f g' }}"}, {"name": "default", "template": CHATML}]  # fmt: skip
     counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": named}))
-    assert counter.template.fixed == 10
+    assert counter.template.cost.fixed == 10
 
 
 @pytest.mark.parametrize(
@@ -103,12 +164,12 @@ def test_a_template_it_cannot_render_leaves_the_generic_price(
     config = {} if template is None else {"chat_template": template}
     with caplog.at_level(logging.WARNING, "tandem.admission"):
         counter = TokenizerCounter.for_model(model_folder(tmp_path, config))
-    assert counter.template == GENERIC
+    assert counter.template.cost == GENERIC
     assert bool(caplog.records) == (template is not None)
 
 
 def test_measure_reads_no_folder_without_a_template(tmp_path: Path) -> None:
-    assert measure(tmp_path, lambda text: len(text.split())) == GENERIC
+    assert measure(tmp_path, lambda text: len(text.split())).cost == GENERIC
 
 
 def test_the_price_depends_on_the_first_role() -> None:

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from admission import tokens
-from admission.chat_template import GENERIC, ChatTemplateCost
+from admission.chat_template import GENERIC, ChatTemplate, ChatTemplateCost
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CharCounter,
@@ -26,8 +26,8 @@ class Words:
     """A counter with known answers: one token per word. It notes what it counted and on
     which threads, and remembers what it is told to."""
 
-    def __init__(self, template: ChatTemplateCost = GENERIC) -> None:
-        self.template = template
+    def __init__(self, cost: ChatTemplateCost = GENERIC) -> None:
+        self.template = ChatTemplate(cost, self.count)
         self.counted: list[str] = []
         self.threads: set[int] = set()
         self.remembered: dict[str, int] = {}
