@@ -5,9 +5,9 @@ prompt: each message gets its role's markers, the reply is primed, and many temp
 default system message to a conversation that has none (the bundled SmolLM2's adds 21 tokens).
 Admission counts the message texts (``admission.tokens``); this module prices the rest, so a
 reservation holds what the engine will count (a one-message chat on the bundled model was 23
-tokens short of it when priced 4 a message and 3 of priming). A reservation short
-of the usage leaves a debt that only the reconcile pays, and a reconcile lost to a quota-store
-outage then lets the tenant past its TPM.
+tokens short of it when priced 4 a message and 3 of priming). A reservation short of the
+usage leaves a debt that only the reconcile pays, and a reconcile lost to a quota-store outage
+then lets the tenant past its TPM.
 
 The template is rendered as transformers (and so vLLM) renders it: a sandboxed Jinja
 environment with ``trim_blocks`` and ``lstrip_blocks``, ``raise_exception``, ``strftime_now``,
