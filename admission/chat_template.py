@@ -164,7 +164,7 @@ def _compile(template: str, variables: dict[str, str]) -> _Render:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     compiled = env.from_string(template)
@@ -175,6 +175,19 @@ def _compile(template: str, variables: dict[str, str]) -> _Render:
         )
 
     return render
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' own filter, arguments and all: a template may pass any of them.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise(message: str) -> None:

@@ -109,6 +109,18 @@ async def test_tools_are_priced_as_the_template_renders_them(tmp_path: Path) -> 
     assert await estimate_of(counter, messages, TOOLS) == len(tokenizer.encode(rendered).ids)
 
 
+async def test_a_template_passing_arguments_to_tojson_renders_as_in_transformers(
+    tmp_path: Path,
+) -> None:
+    template = (
+        "{% if tools %}Tools here: {{ tools | tojson(ensure_ascii=True, indent=2) }}{% endif %}"
+    )
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": template}))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    rendered = "Tools here: " + json.dumps(TOOLS, ensure_ascii=True, indent=2)
+    assert counter.template.tools_tokens(TOOLS) == len(tokenizer.encode(rendered).ids)
+
+
 async def test_tools_a_template_leaves_out_add_nothing_and_are_counted_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
