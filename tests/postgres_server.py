@@ -24,7 +24,10 @@ from urllib.parse import quote
 import psycopg
 from psycopg import sql
 
-START_TIMEOUT_S = 20.0
+# pg_ctl's own default wait (PGCTLTIMEOUT). The chaos soak restarts the server on a machine whose
+# cores the vLLM workers keep busy: in one CI run the server wrote its first log line over 20 s
+# after its launch, and a 20 s wait gave up on it 6 ms after that line, while it was starting.
+START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 DB_USER = "tandem"  # the cluster's bootstrap superuser (initdb -U); trust auth, no password
 DEBIAN_BINARIES = Path("/usr/lib/postgresql")
@@ -92,12 +95,18 @@ class PostgresServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
+        launched = time.monotonic()
         while not self._accepts_connections():
-            if self._process.poll() is not None or time.monotonic() > deadline:
+            exited = self._process.poll()
+            waited_s = time.monotonic() - launched
+            if exited is not None or waited_s > START_TIMEOUT_S:
                 self.stop()
+                why = f"exited with {exited}" if exited is not None else "no connection"
                 output = self._log.read_text(errors="replace") if self._log.exists() else ""
-                raise RuntimeError(f"postgres did not start on port {self.port}:\n{output}")
+                raise RuntimeError(
+                    f"postgres did not start on port {self.port} ({why} after {waited_s:.1f} s):"
+                    f"\n{output}"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
