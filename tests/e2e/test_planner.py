@@ -29,6 +29,8 @@ from tests.e2e.test_disaggregation import prompt_tokens_by_source
 
 pytestmark = pytest.mark.e2e
 
+QUIET_TIMEOUT_S = 60.0
+"""Until the planner's window no longer holds the tests before this one (3 s steps)."""
 LAUNCH_TIMEOUT_S = 60.0
 """The planner's first steps over the burst (3 s apart)."""
 BOOT_TIMEOUT_S = 420.0
@@ -82,6 +84,7 @@ def resumed(live_stack: LiveStack) -> Iterator[None]:
     """The planner resumed for the test, and paused again after it with the prefill pool back
     to ``prefill-0`` alone (left running, the planner drains what a failed test left: the
     tests after it expect one prefill and one decode worker)."""
+    _wait_for_a_quiet_step(live_stack)
     _planner(live_stack, "resume", "e2e burst")
     try:
         yield
@@ -162,6 +165,21 @@ def _bursting(burst: Burst) -> Iterator[None]:
         burst.stop.set()
         for thread in threads:
             thread.join(timeout=300)
+
+
+def _wait_for_a_quiet_step(stack: LiveStack) -> None:
+    """Until a step the paused planner took after now asks for one prefill worker. The tests
+    before this one leave their traffic in the planner's window (a CI run resumed it with two
+    1,100-token prompts of ``test_openai_api`` in it, and a second worker was launched before
+    the burst began); resumed on that, its first step would scale for them."""
+    since = time.time()
+
+    def quiet() -> bool:
+        [version] = [v for v in _status(stack)["versions"] if v["version"] == stack.version]
+        last = version["pools"]["prefill"]["last"]
+        return last is not None and last["at"] > since and last["desired"] == 1
+
+    _wait_for(quiet, QUIET_TIMEOUT_S, stack, "step of the paused planner asking for one prefill")
 
 
 def _warm(worker_url: str) -> None:
