@@ -9,6 +9,9 @@ formatted, one write, and httptools' C parser (uvicorn's) fed each read.
 
 The contract:
 
+- A worker's base URL is ``http(s)://host[:port][/path-prefix]`` (``worker_url`` checks and
+  trims one where it is configured); a request's path goes under its prefix, as the health
+  and metrics reads' do.
 - ``Http1Client.post`` returns once the response's status line and headers are in; the body
   is then read with ``Http1Response.read`` (all of it) or ``read_some`` (what has arrived).
 - A response read to its end gives its connection back for the next call (unless the server
@@ -60,15 +63,37 @@ class Origin:
 
     @classmethod
     def of(cls, base_url: str) -> Origin:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"a worker's URL is http(s)://host[:port], not {base_url!r}")
-        tls = parts.scheme == "https"
-        return cls(parts.hostname, parts.port or (443 if tls else 80), tls)
+        """The origin of a base URL ``worker_url`` accepts; ValueError, saying why, otherwise."""
+        return _split(base_url)[0]
 
     def host_header(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+
+def worker_url(value: str) -> str:
+    """``value`` as a worker's base URL, checked where it is configured (settings, the stack
+    file, the admin API): ``http(s)://host[:port][/prefix]``, trimmed, without a trailing
+    ``/`` (the gateway appends ``/v1/...`` to it). ValueError, saying what is accepted."""
+    url = value.strip().rstrip("/")
+    _split(url)
+    return url
+
+
+def _split(base_url: str) -> tuple[Origin, str]:
+    """(the origin, the path prefix every request's path goes under: "" or ``/...``)."""
+    accepted = "a worker's URL is http(s)://host[:port][/path-prefix]"
+    try:
+        parts = urlsplit(base_url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number, or out of range
+        raise ValueError(f"{accepted}, not {base_url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{accepted}, not {base_url!r}")
+    if parts.query or parts.fragment or parts.username is not None:
+        raise ValueError(f"{accepted}, without a query, fragment or user: not {base_url!r}")
+    tls = parts.scheme == "https"
+    return Origin(parts.hostname, port or (443 if tls else 80), tls), parts.path.rstrip("/")
 
 
 class Http1Response:
@@ -281,16 +306,18 @@ class Http1Client:
         self._idle_s = idle_s
         self._idle: dict[Origin, deque[_Connection]] = {}
         """Per origin, the idle connections, oldest first."""
-        self._origins: dict[str, Origin] = {}
+        self._targets: dict[str, tuple[Origin, str]] = {}
+        """Per base URL, its origin and path prefix."""
         self._open: set[_Connection] = set()
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    def origin(self, base_url: str) -> Origin:
-        origin = self._origins.get(base_url)
-        if origin is None:
-            origin = self._origins[base_url] = Origin.of(base_url)
-        return origin
+    def target(self, base_url: str) -> tuple[Origin, str]:
+        """``base_url``'s origin and path prefix; ValueError for a URL ``worker_url`` refuses."""
+        target = self._targets.get(base_url)
+        if target is None:
+            target = self._targets[base_url] = _split(base_url)
+        return target
 
     async def post(
         self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
@@ -298,8 +325,8 @@ class Http1Client:
         """POST ``body`` (JSON) to ``base_url + path``; the response once its head is in."""
         if self._closed:
             raise RuntimeError("the client is closed")
-        origin = self.origin(base_url)
-        lines = [f"POST {path} HTTP/1.1\r\nHost: {origin.host_header()}\r\n"]
+        origin, prefix = self.target(base_url)
+        lines = [f"POST {prefix}{path} HTTP/1.1\r\nHost: {origin.host_header()}\r\n"]
         for name, value in headers:
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name} has a line break in its value")

@@ -15,10 +15,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from billing.cost import MICROS_PER_USD, figures_to_json
 from core.errors import ConflictError, InvalidRequestError, NotFoundError
+from core.http1 import worker_url
 from core.models import GenerationDefaults
 from gateway.admin.deps import (
     ActorDep,
@@ -53,6 +54,9 @@ from workers.deployments import DeploymentExistsError
 
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
 
+WorkerUrl = Annotated[str, AfterValidator(worker_url)]
+"""An external worker's base URL, trimmed; a 400 saying what is accepted otherwise."""
+
 
 class RegisterFields(BaseModel):
     """``POST /admin/v1/models``: a model source to record as a version of ``alias``."""
@@ -81,8 +85,8 @@ class DeployFields(BaseModel):
     version: str = Field(min_length=1)
     prefill_workers: StrictInt = Field(0, ge=0)  # strict: true is not 1 worker
     decode_workers: StrictInt = Field(1, ge=0)
-    prefill_urls: list[str] = []
-    decode_urls: list[str] = []
+    prefill_urls: list[WorkerUrl] = []
+    decode_urls: list[WorkerUrl] = []
     served_as: str | None = None
     """The model name external workers serve (managed ones serve the version's name)."""
     engine_args: list[str] = []

@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from core.http1 import worker_url
 from core.models import GenerationDefaults
 from gateway.catalog import DeploymentSpec
 from traffic.policy import version_refs, with_versions
 from workers.model import BUNDLED_SOURCE
+
+WorkerUrl = Annotated[str, AfterValidator(worker_url)]
+"""An external worker's base URL, trimmed; the file is refused, naming the field, otherwise."""
 
 
 class ConfigFileError(Exception):
@@ -61,8 +65,8 @@ class VersionEntry(BaseModel):
     note: str = ""
     prefill_workers: int = Field(0, ge=0)
     decode_workers: int = Field(1, ge=0)
-    prefill_urls: list[str] = []
-    decode_urls: list[str] = []
+    prefill_urls: list[WorkerUrl] = []
+    decode_urls: list[WorkerUrl] = []
     served_as: str | None = None
 
     @property

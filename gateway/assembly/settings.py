@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from core.http1 import worker_url
 from gateway.client_address import parse_trusted_proxies
 from kv_transfer.connector import DEFAULT_KV_LEASE_S, ConnectorConfig
 
@@ -366,6 +367,11 @@ class TandemSettings(BaseSettings):
         if isinstance(items, list):
             return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
         return value
+
+    @field_validator("prefill_urls", "decode_urls")
+    @classmethod
+    def _check_worker_urls(cls, urls: list[str]) -> list[str]:
+        return [worker_url(url) for url in urls]  # its ValueError says what is accepted
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

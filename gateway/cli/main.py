@@ -157,14 +157,14 @@ def add_commands(commands: Any) -> None:
         action="append",
         dest="prefill_urls",
         metavar="URL",
-        help="a prefill worker someone else runs (repeatable)",
+        help="a prefill worker someone else runs: http(s)://host[:port][/path-prefix] (repeatable)",
     )
     up.add_argument(
         "--decode-url",
         action="append",
         dest="decode_urls",
         metavar="URL",
-        help="a decode worker someone else runs (repeatable)",
+        help="a decode worker someone else runs: http(s)://host[:port][/path-prefix] (repeatable)",
     )
     up.add_argument(
         "--gateway-workers",

@@ -17,7 +17,7 @@ import pytest
 import trustme
 import uvloop
 
-from core.http1 import Http1Client, HttpConnectionError, Origin, _Connection
+from core.http1 import Http1Client, HttpConnectionError, Origin, _Connection, worker_url
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Served"], Awaitable[None]]
 
@@ -323,6 +323,50 @@ async def test_refused_connections_and_bad_input_say_what_is_wrong() -> None:
     assert Origin.of("https://[::1]/").host_header() == "[::1]:443"
 
 
+async def test_a_base_url_with_a_path_prefix_sends_every_path_under_it() -> None:
+    # A worker behind a proxy that routes by path (an ingress at /vllm/prefill-0).
+    async with serve(answering(lambda _: answer(b"ok"))) as served, client() as http:
+        for base_url in (f"{served.base_url}/vllm/prefill-0", served.base_url):
+            response = await http.post(base_url, "/v1/completions", b"{}", ())
+            assert await response.read() == b"ok"
+        assert served.connections == 1  # one origin, one kept-alive connection
+    request_lines = [request.split(b"\r\n", 1)[0] for request in served.requests]
+    assert request_lines == [
+        b"POST /vllm/prefill-0/v1/completions HTTP/1.1",
+        b"POST /v1/completions HTTP/1.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "url"),
+    [
+        (" http://decode-0:8000/ ", "http://decode-0:8000"),
+        ("https://gpu.example.com", "https://gpu.example.com"),
+        ("http://[::1]:8100/vllm/a/", "http://[::1]:8100/vllm/a"),
+    ],
+)
+def test_a_worker_url_is_trimmed_as_the_gateway_appends_paths(value: str, url: str) -> None:
+    assert worker_url(value) == url
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("decode-0:8000", "http\\(s\\)://host"),  # no scheme: urlsplit reads a scheme "decode-0"
+        ("localhost:8000", "http\\(s\\)://host"),
+        ("ftp://decode-0", "http\\(s\\)://host"),
+        ("http://", "http\\(s\\)://host"),
+        ("http://decode-0:80x0", "Port could not be cast"),
+        ("http://decode-0:99999", "Port out of range"),
+        ("http://decode-0:8000/?key=1", "without a query"),
+        ("http://user:pw@decode-0:8000", "without a query, fragment or user"),
+    ],
+)
+def test_a_worker_url_the_client_could_not_call_is_refused_saying_why(value: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        worker_url(value)
+
+
 def test_a_round_trip_on_uvloop_the_gateways_loop() -> None:
     # The gateway runs on uvloop (gateway/cli/serve.py), whose transports are its own classes.
     async def round_trip() -> tuple[bytes, bytes, int]:
@@ -382,7 +426,7 @@ class _Wire(asyncio.Transport):
 
 async def test_a_caller_leaving_as_the_answer_came_keeps_the_pooled_connection() -> None:
     http = Http1Client(connect_timeout_s=2)
-    origin = http.origin("http://127.0.0.1:9")
+    origin = Origin.of("http://127.0.0.1:9")
     connection = _Connection(http, origin)
     wire = _Wire()
     connection.connection_made(wire)

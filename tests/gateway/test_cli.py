@@ -38,6 +38,16 @@ def test_url_lists_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.cpu_binding == ["0-3", "4-7"]
 
 
+@pytest.mark.parametrize("variable", ["TANDEM_DECODE_URLS", "TANDEM_PREFILL_URLS"])
+def test_a_worker_url_the_gateway_could_not_call_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    # Without a scheme the worker would only ever be found unhealthy (503 no_healthy_worker).
+    monkeypatch.setenv(variable, "http://gpu-a:8000, gpu-b:8000")
+    with pytest.raises(ValidationError, match=r"http\(s\)://host\[:port\].*'gpu-b:8000'"):
+        TandemSettings()
+
+
 def test_invalid_setting_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_PORT", "70000")
     with pytest.raises(ValueError, match="port"):

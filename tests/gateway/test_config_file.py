@@ -110,6 +110,7 @@ def test_a_file_plans_each_version_on_workers_of_its_own(
         ('[[versions]]\nlabel = "a"\n[[versions]]\nlabel = "a"', "unique"),
         ('[[versions]]\nlabel = "a"\ndefaults = { temperature = 9 }', "temperature"),
         ('[[versions]]\nlabel = "a"\ndecode_workers = -1', "decode_workers"),
+        ('[[versions]]\nlabel = "a"\ndecode_urls = ["gpu-a:8000"]', "decode_urls.0.*http"),
         ("[[versions]\n", "not valid TOML"),
     ],
 )

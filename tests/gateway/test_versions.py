@@ -533,6 +533,14 @@ async def test_bad_models_policies_sources_and_removals_are_refused_with_the_fie
         )
         assert seeded.status_code == 400 and _error(seeded)["param"] == "engine_args"
         assert "--seed=3" in _error(seeded)["message"]
+        # A worker URL the gateway could not call is refused here, not found unhealthy later.
+        schemeless = await stack.admin.post(
+            "/admin/v1/deployments",
+            json={"version": undeployed, "decode_urls": ["gpu-a:8000"]},
+        )
+        assert schemeless.status_code == 400, schemeless.text
+        assert _error(schemeless)["param"] == "decode_urls.0"
+        assert "http(s)://host[:port]" in _error(schemeless)["message"]
 
         for source, named in (
             (tmp_path / "nowhere", str(tmp_path / "nowhere")),
