@@ -28,7 +28,13 @@ A request's tool definitions are priced by rendering the template with them arou
 empty message, less that message's rendering: exact, whether the template writes each tool's
 JSON, reformats it, or leaves tools out (the bundled SmolLM2's does: they add nothing). The
 tokenizer counter keeps the answer like a text's count, since an application sends the same
-tools every time. Tool calls in earlier assistant messages are not priced.
+tools every time.
+
+Tool calls in earlier assistant messages are priced the same way: the template rendered with
+one assistant message holding them, less that message empty. Their ``arguments`` strings are
+parsed to objects first, as vLLM does before it renders (a template writes them as it likes).
+The counter keeps each message's price, since a conversation sends its history again at
+every turn.
 
 A template that cannot be read or rendered for these conversations (one that needs tools, or
 Jinja tags transformers adds) leaves the generic price, the 3-4 tokens a message and 3 of
@@ -79,17 +85,23 @@ _Render = Callable[..., str]
 
 class ChatTemplate:
     """A model's chat template as admission prices it: ``cost`` around the messages, and
-    ``tools_tokens`` for a request's tool definitions."""
+    ``tools_tokens`` and ``tool_calls_tokens`` for a request's tool definitions and its
+    history's tool calls."""
 
     def __init__(
-        self, cost: ChatTemplateCost, count: Count, render: _Render | None = None, one: int = 0
+        self,
+        cost: ChatTemplateCost,
+        count: Count,
+        render: _Render | None = None,
+        baselines: tuple[int, int] = (0, 0),
     ) -> None:
-        """``render`` renders the template (``one``: its one-empty-message conversation's
-        tokens); None prices tools as their JSON."""
+        """``render`` renders the template; ``baselines``: the tokens of its renderings of one
+        empty user message, and of that message and an empty assistant reply. None prices
+        tools and tool calls as their JSON."""
         self.cost = cost
         self._count = count
         self._render = render
-        self._one = one
+        self._one, self._replied = baselines
 
     @classmethod
     def generic(cls, count: Count) -> ChatTemplate:
@@ -108,6 +120,19 @@ class ChatTemplate:
                 log.info("chat template cannot render these tools (%s): priced as JSON", exc)
         return self._count(json.dumps(tools, ensure_ascii=False))
 
+    def tool_calls_tokens(self, calls: list[Any]) -> int:
+        """What one assistant message's ``tool_calls`` add to the prompt: the template
+        rendered with them, less the message without them; their JSON when it cannot be
+        rendered with them, or there is no template. Off the loop for long ones, as tools."""
+        if self._render is not None:
+            try:
+                reply = {"role": "assistant", "content": "", "tool_calls": _as_rendered(calls)}
+                rendered = self._count(self._render([_message("user"), reply]))
+                return max(0, rendered - self._replied)
+            except Exception as exc:  # noqa: BLE001 - a template rejects a shape many ways
+                log.info("chat template cannot render these tool calls (%s): priced as JSON", exc)
+        return self._count(json.dumps(calls, ensure_ascii=False))
+
 
 def measure(model_dir: Path, count: Count) -> ChatTemplate:
     """``model_dir``'s chat template, its renderings counted with ``count`` (the model's
@@ -120,6 +145,7 @@ def measure(model_dir: Path, count: Count) -> ChatTemplate:
         template, variables = found
         render = _compile(template, variables)
         one = count(render([_message("user")]))
+        replied = count(render([_message("user"), _message("assistant")]))
         three = count(render([_message("user"), _message("assistant"), _message("user")]))
         led = count(render([_message("system"), _message("user")]))
     except Exception as exc:  # noqa: BLE001 - Jinja and JSON raise many kinds; all mean "unreadable"
@@ -134,11 +160,29 @@ def measure(model_dir: Path, count: Count) -> ChatTemplate:
         fixed=max(0, one - per_message),
         fixed_after_system=max(0, led - 2 * per_message),
     )
-    return ChatTemplate(cost, count, render, one)
+    return ChatTemplate(cost, count, render, (one, replied))
 
 
-def _message(role: str) -> dict[str, str]:
+def _message(role: str) -> dict[str, Any]:
     return {"role": role, "content": ""}
+
+
+def _as_rendered(calls: list[Any]) -> list[Any]:
+    """``calls`` as vLLM hands them to a template: each function's ``arguments`` a JSON
+    object, parsed from its string (an empty object for a missing, malformed or non-object
+    one). Raises on a call of another shape (the JSON price then applies)."""
+    rendered = []
+    for call in calls:
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except json.JSONDecodeError:
+                arguments = {}
+        function["arguments"] = arguments if isinstance(arguments, dict) else {}
+        rendered.append({**call, "function": function})
+    return rendered
 
 
 def _read_template(model_dir: Path) -> tuple[str, dict[str, str]] | None:
@@ -169,7 +213,7 @@ def _compile(template: str, variables: dict[str, str]) -> _Render:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     compiled = env.from_string(template)
 
-    def render(messages: list[dict[str, str]], tools: list[Any] | None = None) -> str:
+    def render(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
         return compiled.render(
             messages=messages, tools=tools, add_generation_prompt=True, **variables
         )

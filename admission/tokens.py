@@ -2,7 +2,8 @@
 
 The prompt is counted with the served model's own tokenizer (its ``tokenizer.json``, through
 HF ``tokenizers``: exact for the text), and a chat conversation is priced what the model's
-chat template adds to it (``admission.chat_template``, measured as the tokenizer loads).
+chat template adds to it (``admission.chat_template``, measured as the tokenizer loads), with
+its tools and the tool calls in its history.
 ``tiktoken`` was the other candidate; its encodings download from a blob store at first use,
 which a gateway in a closed network cannot reach, and it counts another model's tokens.
 Without a tokenizer file the estimate falls back to 4 characters per token. Reconciliation
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +38,8 @@ log = logging.getLogger("tandem.admission")
 INLINE_CHARS = 2_000
 _TOOLS_KEY = "\x00tools:"
 """Prefixes the JSON of a request's tools where their count is kept, apart from the texts'."""
+_TOOL_CALLS_KEY = "\x00tool_calls:"
+"""Prefixes the JSON of one assistant message's tool calls where their count is kept."""
 _MEMO_ENTRIES = 16_384
 """Texts whose counts a tokenizer counter keeps (about 200 bytes each: no text is kept)."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -171,7 +174,9 @@ async def estimate_tokens(
         prompt_tokens += counter.template.cost.of(prompt.num_messages, prompt.led_by_system)
         tools = body.get("tools")
         if isinstance(tools, list) and tools:
-            prompt_tokens += await _tools_tokens(counter, tools)
+            template = counter.template
+            prompt_tokens += await _priced(counter, _TOOLS_KEY, tools, template.tools_tokens)
+        prompt_tokens += await _tool_calls_tokens(counter, prompt.raw)
     return TokenEstimate(
         prompt_tokens=prompt_tokens,
         max_output_tokens=requested_max_tokens(endpoint, body, prompt_tokens, max_model_len),
@@ -223,16 +228,32 @@ async def count_texts(counter: TokenCounter, texts: Sequence[str]) -> int:
     return total + sum(counts)
 
 
-async def _tools_tokens(counter: TokenCounter, tools: list[Any]) -> int:
-    """What a chat request's tool definitions add (``ChatTemplate.tools_tokens``), kept like a
-    text's count: an application sends the same tools with every request."""
-    key = _TOOLS_KEY + orjson.dumps(tools).decode()
+async def _tool_calls_tokens(counter: TokenCounter, messages: Any) -> int:
+    """What the tool calls of a chat's assistant messages add (``ChatTemplate.
+    tool_calls_tokens``), each message's kept: a conversation sends them again every turn."""
+    if not isinstance(messages, list):
+        return 0
+    total = 0
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and calls and message.get("role") == "assistant":
+            price = counter.template.tool_calls_tokens
+            total += await _priced(counter, _TOOL_CALLS_KEY, calls, price)
+    return total
+
+
+async def _priced(
+    counter: TokenCounter, kind: str, value: list[Any], price: Callable[[list[Any]], int]
+) -> int:
+    """``price(value)``, kept in the counter's memo under ``kind`` and ``value``'s JSON like a
+    text's count (an application sends the same tools every time); off the loop when long."""
+    key = kind + orjson.dumps(value).decode()
     tokens = counter.known(key)
     if tokens is None:
         if len(key) > INLINE_CHARS:
-            tokens = await asyncio.to_thread(counter.template.tools_tokens, tools)
+            tokens = await asyncio.to_thread(price, value)
         else:
-            tokens = counter.template.tools_tokens(tools)
+            tokens = price(value)
         counter.remember(key, tokens)
     return tokens
 

@@ -149,6 +149,89 @@ async def test_without_a_template_tools_are_priced_as_their_json(tmp_path: Path)
     assert await estimate_of(counter, CONVERSATIONS[0], TOOLS) == without + json_tokens
 
 
+# Tool calls as Hermes' template writes them: after the content, each call's name and its
+# arguments as JSON (vLLM parses them to an object first).
+CHATML_CALLS = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{{ '<tool_call> ' + call.function.name + ' ' + call.function.arguments | tojson }}"
+    "{{ ' </tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CALLS = [
+    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}},
+    {"id": "c2", "type": "function", "function": {"name": "time", "arguments": ""}},
+]  # fmt: skip
+HISTORY = [
+    {"role": "user", "content": "weather and time in Paris"},
+    {"role": "assistant", "content": None, "tool_calls": CALLS},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+    {"role": "user", "content": "so?"},
+]
+
+
+async def test_tool_calls_in_the_history_are_priced_as_the_template_renders_them(
+    tmp_path: Path,
+) -> None:
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": CHATML_CALLS}))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    calls = '<tool_call> weather {"city": "Paris"} </tool_call><tool_call> time {} </tool_call>'
+    rendered = (
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+        "<|im_start|>user\nweather and time in Paris<|im_end|>\n"
+        f"<|im_start|>assistant\n{calls}<|im_end|>\n"
+        "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>tool\nnoon<|im_end|>\n"
+        "<|im_start|>user\nso?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Exact: the arguments string priced as written would be a token short ('{"city":"Paris"}').
+    assert await estimate_of(counter, HISTORY, []) == len(tokenizer.encode(rendered).ids)
+
+
+async def test_a_messages_tool_calls_are_rendered_once_across_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": CHATML_CALLS}))
+    renders = 0
+    tool_calls_tokens = counter.template.tool_calls_tokens
+
+    def counted(calls: list[Any]) -> int:
+        nonlocal renders
+        renders += 1
+        return tool_calls_tokens(calls)
+
+    monkeypatch.setattr(counter.template, "tool_calls_tokens", counted)
+    first = await estimate_of(counter, HISTORY, [])
+    later = HISTORY + [{"role": "assistant", "content": "sunny, noon"}, HISTORY[-1]]
+    assert await estimate_of(counter, later, []) > first
+    assert renders == 1  # the next turn sends the same calls again: their count was kept
+
+
+@pytest.mark.parametrize(
+    ("config", "calls"),
+    [
+        ({}, CALLS),  # no template
+        ({"chat_template": CHATML_CALLS}, [{"type": "function"}]),  # a call it cannot render
+    ],
+    ids=["no-template", "unrenderable"],
+)
+async def test_tool_calls_it_cannot_render_are_priced_as_their_json(
+    tmp_path: Path, config: dict[str, Any], calls: list[Any]
+) -> None:
+    counter = TokenizerCounter.for_model(model_folder(tmp_path, config))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    history = [HISTORY[0], {"role": "assistant", "content": "", "tool_calls": calls}]
+    without = [HISTORY[0], {"role": "assistant", "content": ""}]
+    json_tokens = len(tokenizer.encode(json.dumps(calls)).ids)
+    assert await estimate_of(counter, history, []) == await estimate_of(counter, without, []) + (
+        json_tokens
+    )
+
+
 def test_the_jinja_file_wins_and_special_tokens_are_variables(tmp_path: Path) -> None:
     config = {"chat_template": "{{ raise_exception('not this one') }}", "bos_token": "<s>"}
     folder = model_folder(tmp_path, config, jinja="{{ bos_token }}" + CHATML)
