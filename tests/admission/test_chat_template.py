@@ -206,7 +206,7 @@ async def test_a_messages_tool_calls_are_rendered_once_across_turns(
 
     monkeypatch.setattr(counter.template, "tool_calls_tokens", counted)
     first = await estimate_of(counter, HISTORY, [])
-    later = HISTORY + [{"role": "assistant", "content": "sunny, noon"}, HISTORY[-1]]
+    later = [*HISTORY, {"role": "assistant", "content": "sunny, noon"}, HISTORY[-1]]
     assert await estimate_of(counter, later, []) > first
     assert renders == 1  # the next turn sends the same calls again: their count was kept
 
