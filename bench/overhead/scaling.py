@@ -9,6 +9,10 @@ streams/s, the cores the gateway's process tree used, its CPU per request, the s
 one process, and how busy the busiest engine and generator were (a figure near 100% there
 means the run measured them, not the gateway).
 
+``--redis-at-one`` runs the one-process level over a ``redis-server`` too (started as ``tandem
+up`` starts one, pinned to that process's core, its CPU counted): the speed-up then measures
+the processes alone, not also the step from in-memory stores to shared ones.
+
 The load comes from several processes (``bench/overhead/scaling_load.py``), started with one
 shared start time, because a single Python client saturates near what one gateway process
 serves. It needs ``N + engines + generators + 1`` cores (the last for this process and the
@@ -19,6 +23,8 @@ machine, not the scaling.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -27,14 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import psutil
 
 from bench.overhead.fake_vllm import Timing
 from bench.overhead.procs import Server, process_tree_cpu_times, spawn, start_fake_engine
 from bench.overhead.scaling_load import LoadArgs
 from bench.overhead.servers import TandemSetup, start_tandem
+from gateway.assembly.redis_server import OwnedRedis
 
 MODEL = "fake-model"
 BOOT_S = 4.0
@@ -98,9 +107,13 @@ def _cpu_s(servers: Sequence[Server]) -> list[float]:
     return [server.cpu_seconds() for server in servers]
 
 
-def redis_cpu_s(gateway: Server) -> float:
-    """CPU seconds so far of the ``redis-server`` the gateway's ``tandem up`` started (0 when
-    it started none): the share of the gateway's cores the shared stores take themselves."""
+def redis_cpu_s(gateway: Server, redis: OwnedRedis | None = None) -> float:
+    """CPU seconds so far of the ``redis-server`` the gateway's ``tandem up`` started, or of
+    ``redis`` (0 when there is none): the share of the gateway's cores the shared stores take
+    themselves."""
+    if redis is not None and redis.pid is not None:
+        times = psutil.Process(redis.pid).cpu_times()
+        return float(times.user + times.system)
     return sum(process_tree_cpu_times(gateway.pid, named="redis-server"))
 
 
@@ -112,10 +125,45 @@ def measure(
     decodes: Sequence[Server],
     work_dir: Path,
 ) -> ScalingRow:
+    with _redis_at_one(processes, args, layout, work_dir) as redis:
+        return _measure(processes, args, layout, prefill, decodes, work_dir, redis)
+
+
+@contextlib.contextmanager
+def _redis_at_one(
+    processes: int, args: argparse.Namespace, layout: Layout, work_dir: Path
+) -> Iterator[OwnedRedis | None]:
+    """With ``--redis-at-one``, for one process: a ``redis-server`` on its core (else None)."""
+    if processes != 1 or not args.redis_at_one:
+        yield None
+        return
+    redis = OwnedRedis(work_dir / "redis-at-one")
+    loop = asyncio.new_event_loop()  # the server outlives each call: one loop for both
+    try:
+        loop.run_until_complete(redis.start())
+        cores = layout.gateway[0]
+        if cores is not None and redis.pid is not None:
+            os.sched_setaffinity(redis.pid, cores)
+        yield redis
+    finally:
+        loop.run_until_complete(redis.aclose())
+        loop.close()
+
+
+def _measure(
+    processes: int,
+    args: argparse.Namespace,
+    layout: Layout,
+    prefill: Server,
+    decodes: Sequence[Server],
+    work_dir: Path,
+    redis: OwnedRedis | None,
+) -> ScalingRow:
     setup = TandemSetup(
         two_legs=False,
         gateway_workers=processes,
         max_in_flight_per_worker=max(4096, 2 * args.concurrency_per_process * processes),
+        redis_url=None if redis is None else redis.url,
     )
     gateway, api_key = start_tandem(
         setup,
@@ -143,10 +191,12 @@ def measure(
             generators.append(process)
         window_start = start_at + args.warmup_s
         time.sleep(max(0.0, window_start - time.time()))
-        gateway0, redis0, engines0 = gateway.cpu_seconds(), redis_cpu_s(gateway), _cpu_s(decodes)
+        gateway0, redis0 = gateway.cpu_seconds(), redis_cpu_s(gateway, redis)
+        engines0 = _cpu_s(decodes)
         time.sleep(args.duration_s)
-        gateway_s = gateway.cpu_seconds() - gateway0
-        redis_s = redis_cpu_s(gateway) - redis0
+        redis_s = redis_cpu_s(gateway, redis) - redis0
+        # A server of --redis-at-one is no child of the gateway's: its CPU is added.
+        gateway_s = gateway.cpu_seconds() - gateway0 + (redis_s if redis is not None else 0.0)
         engines_s = [
             after - before for before, after in zip(engines0, _cpu_s(decodes), strict=True)
         ]
@@ -209,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--itl-ms", type=float, default=20.0)
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument(
+        "--redis-at-one", action="store_true", help="one process over Redis too (see above)"
+    )
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args(argv)
     levels = _parse_levels(args.processes)

@@ -50,6 +50,11 @@ class OwnedRedis:
         self._proc: asyncio.subprocess.Process | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (benchmarks pin it and read its CPU)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def url(self) -> str:
         """What ``TANDEM_REDIS_URL`` would say to reach it (database 0)."""
         return f"unix://{self.socket_path}?db=0"
