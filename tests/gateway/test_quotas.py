@@ -544,7 +544,10 @@ async def test_quota_store_outage_and_recovery(tmp_path: Path, policy: StoreFail
     with running_redis() as redis:
         access = _access(
             tmp_path,
-            stores=StoreConfig(redis_url=redis.url, timeout_s=0.2),
+            # A stopped server refuses connections at once: the timeout only bounds calls to
+            # the restarted one. Its first (new connections, scripts loaded again) failed once
+            # with 0.2 s (0.4 s a call) on a busy CI machine: a 503 creating a tenant.
+            stores=StoreConfig(redis_url=redis.url, timeout_s=1.0),
             controller=ControllerConfig(store_failure=policy),
         )
         async with make_fake_stack(access=access) as stack:
