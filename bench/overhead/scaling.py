@@ -9,6 +9,10 @@ streams/s, the cores the gateway's process tree used, its CPU per request, the s
 one process, and how busy the busiest engine and generator were (a figure near 100% there
 means the run measured them, not the gateway).
 
+``--redis-core`` gives the shared ``redis-server`` a core of its own (moved there once ``tandem
+up`` started it; by default it shares the gateway's cores, as ``tandem up`` runs it): the
+gateway's figures then leave out its contention with Redis, which still counts in them.
+
 ``--redis-at-one`` runs the one-process level over a ``redis-server`` too (started as ``tandem
 up`` starts one, pinned to that process's core, its CPU counted): the speed-up then measures
 the processes alone, not also the step from in-memory stores to shared ones.
@@ -59,25 +63,33 @@ class Layout:
     engines: list[frozenset[int] | None]
     generators: list[frozenset[int] | None]
     rest: frozenset[int] | None
+    redis: frozenset[int] | None = None
+    """The shared Redis's own core (None: it runs on the gateway's)."""
 
     @staticmethod
-    def plan(max_processes: int, engines: int, generators: int, pin: bool) -> Layout:
+    def plan(
+        max_processes: int, engines: int, generators: int, pin: bool, redis_core: bool = False
+    ) -> Layout:
         if not pin:
             return Layout([None] * max_processes, [None] * engines, [None] * generators, None)
         cores = sorted(os.sched_getaffinity(0))
-        needed = max_processes + engines + generators + 1
+        redis = int(redis_core)
+        needed = max_processes + redis + engines + generators + 1
         if len(cores) < needed:
             raise SystemExit(
-                f"this run needs {needed} cores ({max_processes} gateway, {engines} engines, "
-                f"{generators} generators, 1 for the rest) and {len(cores)} are available: "
-                "use fewer, or --no-pin (which measures the machine, not the scaling)"
+                f"this run needs {needed} cores ({max_processes} gateway, {redis} Redis, "
+                f"{engines} engines, {generators} generators, 1 for the rest) and {len(cores)} "
+                "are available: use fewer, or --no-pin (which measures the machine, not the "
+                "scaling)"
             )
-        engine_at, generator_at = max_processes, max_processes + engines
+        engine_at = max_processes + redis
+        generator_at = engine_at + engines
         return Layout(
             gateway=[frozenset(cores[:n]) for n in range(1, max_processes + 1)],
             engines=[frozenset({cores[engine_at + i]}) for i in range(engines)],
             generators=[frozenset({cores[generator_at + i]}) for i in range(generators)],
             rest=frozenset(cores[needed - 1 :]),
+            redis=frozenset({cores[max_processes]}) if redis_core else None,
         )
 
 
@@ -141,13 +153,22 @@ def _redis_at_one(
     loop = asyncio.new_event_loop()  # the server outlives each call: one loop for both
     try:
         loop.run_until_complete(redis.start())
-        cores = layout.gateway[0]
+        cores = layout.redis or layout.gateway[0]
         if cores is not None and redis.pid is not None:
             os.sched_setaffinity(redis.pid, cores)
         yield redis
     finally:
         loop.run_until_complete(redis.aclose())
         loop.close()
+
+
+def redis_pids(gateway: Server) -> list[int]:
+    """The ``redis-server`` processes the gateway's ``tandem up`` started."""
+    try:
+        children = psutil.Process(gateway.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [child.pid for child in children if "redis-server" in child.name()]
 
 
 def _measure(
@@ -174,6 +195,9 @@ def _measure(
         layout.gateway[processes - 1],
         more_decode_urls=[d.url for d in decodes[1:]],
     )
+    if layout.redis is not None:
+        for pid in redis_pids(gateway):
+            os.sched_setaffinity(pid, layout.redis)
     concurrency = args.concurrency_per_process * processes
     generators: list[subprocess.Popen[bytes]] = []
     try:
@@ -262,10 +286,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--redis-at-one", action="store_true", help="one process over Redis too (see above)"
     )
+    parser.add_argument(
+        "--redis-core", action="store_true", help="Redis on a core of its own (see above)"
+    )
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args(argv)
     levels = _parse_levels(args.processes)
-    layout = Layout.plan(max(levels), args.engines, args.generators, not args.no_pin)
+    layout = Layout.plan(
+        max(levels), args.engines, args.generators, not args.no_pin, args.redis_core
+    )
     # Each open stream holds two sockets in the gateway; children inherit the raised limit.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 1 << 16)), hard))

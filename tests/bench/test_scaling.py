@@ -28,6 +28,16 @@ def test_layout_gives_every_part_cores_of_its_own(monkeypatch: pytest.MonkeyPatc
     assert layout.rest == frozenset(range(12, 16))
 
 
+def test_a_redis_core_is_one_no_other_part_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
+    layout = Layout.plan(max_processes=4, engines=3, generators=5, pin=True, redis_core=True)
+    assert layout.redis == frozenset({4})
+    parts = [layout.gateway[-1], *layout.engines, *layout.generators, layout.rest]
+    assert not any(4 in (cores or ()) for cores in parts)
+    assert layout.rest == frozenset(range(13, 16))
+    assert Layout.plan(max_processes=4, engines=3, generators=5, pin=True).redis is None
+
+
 def test_layout_refuses_a_machine_too_small_naming_the_way_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
