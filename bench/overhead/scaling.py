@@ -129,20 +129,8 @@ def redis_cpu_s(gateway: Server, redis: OwnedRedis | None = None) -> float:
     return sum(process_tree_cpu_times(gateway.pid, named="redis-server"))
 
 
-def measure(
-    processes: int,
-    args: argparse.Namespace,
-    layout: Layout,
-    prefill: Server,
-    decodes: Sequence[Server],
-    work_dir: Path,
-) -> ScalingRow:
-    with _redis_at_one(processes, args, layout, work_dir) as redis:
-        return _measure(processes, args, layout, prefill, decodes, work_dir, redis)
-
-
 @contextlib.contextmanager
-def _redis_at_one(
+def redis_at_one(
     processes: int, args: argparse.Namespace, layout: Layout, work_dir: Path
 ) -> Iterator[OwnedRedis | None]:
     """With ``--redis-at-one``, for one process: a ``redis-server`` on its core (else None)."""
@@ -171,7 +159,7 @@ def redis_pids(gateway: Server) -> list[int]:
     return [child.pid for child in children if "redis-server" in child.name()]
 
 
-def _measure(
+def measure(
     processes: int,
     args: argparse.Namespace,
     layout: Layout,
@@ -314,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         engines += decodes
         print(f"cores: {asdict(layout)}", flush=True)
         for processes in levels:
-            row = measure(processes, args, layout, prefill, decodes, work_dir)
+            with redis_at_one(processes, args, layout, work_dir) as redis:
+                row = measure(processes, args, layout, prefill, decodes, work_dir, redis)
             row.speedup = row.streams_per_s / rows[0].streams_per_s if rows else 1.0
             rows.append(row)
             print_rows([row])

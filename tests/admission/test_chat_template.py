@@ -95,6 +95,19 @@ async def estimate_of(counter: TokenCounter, messages: list[Any], tools: list[An
     return (await estimate_tokens(Endpoint.CHAT, body, prompt, counter, None)).prompt_tokens
 
 
+def calls_of(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[Any]:
+    """The argument of each call of ``owner.name`` from now on (it still runs)."""
+    calls: list[Any] = []
+    original = getattr(owner, name)
+
+    def recorded(value: Any) -> Any:
+        calls.append(value)
+        return original(value)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return calls
+
+
 async def test_tools_are_priced_as_the_template_renders_them(tmp_path: Path) -> None:
     folder = model_folder(tmp_path, {"chat_template": CHATML_TOOLS})
     counter = TokenizerCounter.for_model(folder)
@@ -126,19 +139,11 @@ async def test_tools_a_template_leaves_out_add_nothing_and_are_counted_once(
 ) -> None:
     counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": CHATML}))
     without = await estimate_of(counter, CONVERSATIONS[0], [])
-    renders = 0
-    tools_tokens = counter.template.tools_tokens
-
-    def counted(tools: list[Any]) -> int:
-        nonlocal renders
-        renders += 1
-        return tools_tokens(tools)
-
-    monkeypatch.setattr(counter.template, "tools_tokens", counted)
+    renders = calls_of(monkeypatch, counter.template, "tools_tokens")
     assert await estimate_of(counter, CONVERSATIONS[0], TOOLS) == without
     led = CONVERSATIONS[1]
     assert await estimate_of(counter, led, TOOLS) == await estimate_of(counter, led, [])
-    assert renders == 1  # the same tools again: their count was kept
+    assert renders == [TOOLS]  # the same tools again: their count was kept
 
 
 async def test_without_a_template_tools_are_priced_as_their_json(tmp_path: Path) -> None:
@@ -196,19 +201,11 @@ async def test_a_messages_tool_calls_are_rendered_once_across_turns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counter = TokenizerCounter.for_model(model_folder(tmp_path, {"chat_template": CHATML_CALLS}))
-    renders = 0
-    tool_calls_tokens = counter.template.tool_calls_tokens
-
-    def counted(calls: list[Any]) -> int:
-        nonlocal renders
-        renders += 1
-        return tool_calls_tokens(calls)
-
-    monkeypatch.setattr(counter.template, "tool_calls_tokens", counted)
+    renders = calls_of(monkeypatch, counter.template, "tool_calls_tokens")
     first = await estimate_of(counter, HISTORY, [])
     later = [*HISTORY, {"role": "assistant", "content": "sunny, noon"}, HISTORY[-1]]
     assert await estimate_of(counter, later, []) > first
-    assert renders == 1  # the next turn sends the same calls again: their count was kept
+    assert renders == [CALLS]  # the next turn sends the same calls again: their count was kept
 
 
 @pytest.mark.parametrize(
