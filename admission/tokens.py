@@ -246,7 +246,7 @@ async def _priced(
     counter: TokenCounter, kind: str, value: list[Any], price: Callable[[list[Any]], int]
 ) -> int:
     """``price(value)``, kept in the counter's memo under ``kind`` and ``value``'s JSON like a
-    text's count (an application sends the same tools every time); off the loop when long."""
+    text's count (the same tools and history come again); off the loop when long."""
     key = kind + orjson.dumps(value).decode()
     tokens = counter.known(key)
     if tokens is None:

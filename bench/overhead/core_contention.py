@@ -5,7 +5,8 @@ core, then on 2, 4, ... and all of them at once (one process pinned to each), an
 group's mean time against the loop alone. Two loops: ``cpu`` counts in a register-bound loop;
 ``cache`` looks 3M random keys up in a dict of 2M entries, missing the caches as a gateway's
 heap does. A gateway process that is N % slower per request when every core is busy is, by this
-much, the machine's doing and not the gateway's (``bench/overhead/scaling.py`` reads it so).
+much, the machine's doing and not the gateway's (``docs/ARCHITECTURE.md``'s scaling figures
+read it so).
 """
 
 from __future__ import annotations

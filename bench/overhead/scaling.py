@@ -11,7 +11,8 @@ means the run measured them, not the gateway).
 
 ``--redis-core`` gives the shared ``redis-server`` a core of its own (moved there once ``tandem
 up`` started it; by default it shares the gateway's cores, as ``tandem up`` runs it): the
-gateway's figures then leave out its contention with Redis, which still counts in them.
+gateway's figures then leave out the two's contention for a core (Redis's CPU still counts
+in them).
 
 ``--redis-at-one`` runs the one-process level over a ``redis-server`` too (started as ``tandem
 up`` starts one, pinned to that process's core, its CPU counted): the speed-up then measures
@@ -20,8 +21,8 @@ the processes alone, not also the step from in-memory stores to shared ones.
 The load comes from several processes (``bench/overhead/scaling_load.py``), started with one
 shared start time, because a single Python client saturates near what one gateway process
 serves. It needs ``N + engines + generators + 1`` cores (the last for this process and the
-fake prefill worker); on fewer, ``--no-pin`` runs everything unpinned, which measures the
-machine, not the scaling.
+fake prefill worker), one more with ``--redis-core``; on fewer, ``--no-pin`` runs everything
+unpinned, which measures the machine, not the scaling.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def redis_cpu_s(gateway: Server, redis: OwnedRedis | None = None) -> float:
 def redis_at_one(
     processes: int, args: argparse.Namespace, layout: Layout, work_dir: Path
 ) -> Iterator[OwnedRedis | None]:
-    """With ``--redis-at-one``, for one process: a ``redis-server`` on its core (else None)."""
+    """With ``--redis-at-one``, for one process: a ``redis-server`` on its core (or on
+    ``--redis-core``'s); else None."""
     if processes != 1 or not args.redis_at_one:
         yield None
         return
