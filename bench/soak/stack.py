@@ -91,6 +91,7 @@ class SoakStack:
                 start_new_session=True,
             )  # fmt: skip
         ready = await self.wait_ready(BOOT_TIMEOUT_S)
+        await self._wait_for_process_list(BOOT_TIMEOUT_S)
         # A restarted worker keeps its name and port, and the planner is off: these hold for
         # the whole run, and need no gateway to answer (one may be the fault).
         self.worker_urls = {str(w["role"]): str(w["url"]) for w in ready["workers"]}
@@ -116,6 +117,26 @@ class SoakStack:
             "TANDEM_LOG_DIR": str(spec.workdir / "logs"),
             "TANDEM_STATE_DIR": str(spec.workdir / "state"),
         }
+
+    async def _wait_for_process_list(self, timeout_s: float) -> None:
+        """Until ``tandem up`` lists its gateway processes: process 0 answers ``/ready``
+        before the others have started, and the list is written once they have (a CI run read
+        it in between and found no file)."""
+        path = self._process_list_path
+        deadline = time.monotonic() + timeout_s
+        while self.spec.gateway_processes > 1 and not path.exists():
+            if self._process is not None and self._process.returncode is not None:
+                raise StackError(f"tandem up exited while starting: see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"tandem up did not list its gateway processes within {timeout_s:.0f} s: "
+                    f"see {self.log_path}"
+                )
+            await asyncio.sleep(0.1)
+
+    @property
+    def _process_list_path(self) -> Path:
+        return self.spec.workdir / "state" / "gateway-processes.json"
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``.
@@ -167,8 +188,7 @@ class SoakStack:
 
     def gateway_processes(self) -> list[dict[str, Any]]:
         """Each gateway process's index, pid and own URL (``gateway-processes.json``)."""
-        path = self.spec.workdir / "state" / "gateway-processes.json"
-        return list(json.loads(path.read_text())["processes"])
+        return list(json.loads(self._process_list_path.read_text())["processes"])
 
     def gateway_rss(self) -> dict[int, tuple[int, int]]:
         """Each gateway process's index -> (pid, RSS bytes); the gone ones are left out."""
