@@ -19,10 +19,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Annotated, Protocol
+
+from pydantic import AfterValidator
 
 from admission.quota import StoreUnavailable
 from core.errors import ModelNotFoundError, NoHealthyWorkerError
+from core.http1 import worker_url
 from core.models import GenerationDefaults
 from traffic.policy import PolicyError, TrafficPolicy, policy_from_dict
 from traffic.resolver import Resolver, Subject, resolve, resolve_direct
@@ -45,6 +48,11 @@ class Resolved:
     shadow: Deployment | None = None
     shadow_max_in_flight: int = 0
     """The policy's cap on shadow copies in flight to ``shadow``."""
+
+
+WorkerUrl = Annotated[str, AfterValidator(worker_url)]
+"""An external worker's base URL wherever one is configured (settings, the stack file, the admin
+API): trimmed, or refused with ``worker_url``'s message saying what is accepted."""
 
 
 @dataclass(frozen=True, slots=True)

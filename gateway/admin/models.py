@@ -15,11 +15,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from billing.cost import MICROS_PER_USD, figures_to_json
 from core.errors import ConflictError, InvalidRequestError, NotFoundError
-from core.http1 import worker_url
 from core.models import GenerationDefaults
 from gateway.admin.deps import (
     ActorDep,
@@ -37,7 +36,7 @@ from gateway.audited import (
     register_version,
     set_policy,
 )
-from gateway.catalog import DeployError, DeploymentSpec
+from gateway.catalog import DeployError, DeploymentSpec, WorkerUrl
 from gateway.operations import undeploy as undeploy_deployment
 from traffic.policy import (
     PolicyError,
@@ -53,9 +52,6 @@ from versions.store import VersionStore
 from workers.deployments import DeploymentExistsError
 
 router = APIRouter(prefix="/admin/v1", tags=["admin"], dependencies=[Depends(require_admin)])
-
-WorkerUrl = Annotated[str, AfterValidator(worker_url)]
-"""An external worker's base URL, trimmed; a 400 saying what is accepted otherwise."""
 
 
 class RegisterFields(BaseModel):

@@ -30,18 +30,14 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.http1 import worker_url
 from core.models import GenerationDefaults
-from gateway.catalog import DeploymentSpec
+from gateway.catalog import DeploymentSpec, WorkerUrl
 from traffic.policy import version_refs, with_versions
 from workers.model import BUNDLED_SOURCE
-
-WorkerUrl = Annotated[str, AfterValidator(worker_url)]
-"""An external worker's base URL, trimmed; the file is refused, naming the field, otherwise."""
 
 
 class ConfigFileError(Exception):

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from core.http1 import worker_url
+from gateway.catalog import WorkerUrl
 from gateway.client_address import parse_trusted_proxies
 from kv_transfer.connector import DEFAULT_KV_LEASE_S, ConnectorConfig
 
@@ -66,9 +66,9 @@ class TandemSettings(BaseSettings):
     """Managed prefill workers to launch (0 when only external ones are used)."""
     num_decode_workers: int = Field(1, ge=0)
     """Managed decode workers to launch."""
-    prefill_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    prefill_urls: Annotated[list[WorkerUrl], NoDecode] = Field(default_factory=list)
     """Base URLs of prefill workers someone else started (GPUs, other hosts)."""
-    decode_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    decode_urls: Annotated[list[WorkerUrl], NoDecode] = Field(default_factory=list)
     """Base URLs of decode workers someone else started."""
     tokenizer_dir: Path | None = None
     """A folder with the served model's ``tokenizer.json``, for a model with no folder here
@@ -360,18 +360,13 @@ class TandemSettings(BaseSettings):
 
     @field_validator("prefill_urls", "decode_urls", "cpu_binding", mode="before")
     @classmethod
-    def _split_urls(cls, value: object) -> object:
-        # Environment variables carry lists as comma-separated strings; URLs lose a trailing "/"
-        # because the gateway appends paths to them.
+    def _split_lists(cls, value: object) -> object:
+        # Environment variables carry lists as comma-separated strings (a URL is then trimmed
+        # and checked by WorkerUrl).
         items = value.split(",") if isinstance(value, str) else value
         if isinstance(items, list):
-            return [str(item).strip().rstrip("/") for item in items if str(item).strip()]
+            return [str(item).strip() for item in items if str(item).strip()]
         return value
-
-    @field_validator("prefill_urls", "decode_urls")
-    @classmethod
-    def _check_worker_urls(cls, urls: list[str]) -> list[str]:
-        return [worker_url(url) for url in urls]  # its ValueError says what is accepted
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod
