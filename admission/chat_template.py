@@ -113,25 +113,32 @@ class ChatTemplate:
         template that leaves them out adds nothing); their JSON when it cannot be rendered
         with them, or there is no template. Can take a while for many tools: called off the
         loop for long ones (``admission.tokens``)."""
-        if self._render is not None:
-            try:
-                return max(0, self._count(self._render([_message("user")], tools)) - self._one)
-            except Exception as exc:  # noqa: BLE001 - a template rejects a shape many ways
-                log.info("chat template cannot render these tools (%s): priced as JSON", exc)
-        return self._count(json.dumps(tools, ensure_ascii=False))
+        return self._added(
+            "tools", tools, lambda render: render([_message("user")], tools), self._one
+        )
 
     def tool_calls_tokens(self, calls: list[Any]) -> int:
         """What one assistant message's ``tool_calls`` add to the prompt: the template
         rendered with them, less the message without them; their JSON when it cannot be
         rendered with them, or there is no template. Off the loop for long ones, as tools."""
+
+        def with_calls(render: _Render) -> str:
+            reply = {"role": "assistant", "content": "", "tool_calls": _as_rendered(calls)}
+            return render([_message("user"), reply])
+
+        return self._added("tool calls", calls, with_calls, self._replied)
+
+    def _added(
+        self, what: str, value: list[Any], rendering: Callable[[_Render], str], baseline: int
+    ) -> int:
+        """The tokens of ``rendering`` less ``baseline``'s; ``value``'s JSON when the template
+        rejects it (a template rejects a shape many ways), or there is none."""
         if self._render is not None:
             try:
-                reply = {"role": "assistant", "content": "", "tool_calls": _as_rendered(calls)}
-                rendered = self._count(self._render([_message("user"), reply]))
-                return max(0, rendered - self._replied)
-            except Exception as exc:  # noqa: BLE001 - a template rejects a shape many ways
-                log.info("chat template cannot render these tool calls (%s): priced as JSON", exc)
-        return self._count(json.dumps(calls, ensure_ascii=False))
+                return max(0, self._count(rendering(self._render)) - baseline)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                log.info("chat template cannot render these %s (%s): priced as JSON", what, exc)
+        return self._count(json.dumps(value, ensure_ascii=False))
 
 
 def measure(model_dir: Path, count: Count) -> ChatTemplate:
