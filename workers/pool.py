@@ -143,6 +143,7 @@ class _Member:
     num_health_failures: int = 0  # consecutive
     supervisor: asyncio.Task[None] | None = None
     leaving: bool = False  # a drain of it has begun
+    stopping: bool = False  # its drain is stopping the process: refused checks are expected
 
 
 class WorkerPool:
@@ -288,11 +289,12 @@ class WorkerPool:
         drained = Drained(
             name, time.monotonic() - started, worker.num_outstanding, worker.num_kv_held
         )
+        m.stopping = True
+        worker.healthy = False
         if m.supervisor is not None:  # gone first, or it would restart the stopped process
             m.supervisor.cancel()
             await asyncio.gather(m.supervisor, return_exceptions=True)
         await m.process.aclose(self.config.stop_timeout_s)
-        worker.healthy = False
         self._members.remove(m)
         if drained.cut or drained.kv_unread:
             logger.warning(
@@ -378,8 +380,8 @@ class WorkerPool:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _check_health(self, m: _Member) -> None:
-        if m.process is not None and not m.process.running:
-            return  # its supervisor already marked it unhealthy and will restart it
+        if m.stopping or (m.process is not None and not m.process.running):
+            return  # its drain or its supervisor already marked it unhealthy
         assert self._session is not None  # set in start(), before this task exists
         refused = False
         try:
@@ -388,8 +390,8 @@ class WorkerPool:
         except (aiohttp.ClientError, TimeoutError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             refused = isinstance(exc, aiohttp.ClientConnectorError)
-        if m.process is not None and not m.process.running:
-            return  # it died while we asked; a late 200 must not mark it healthy
+        if m.stopping or (m.process is not None and not m.process.running):
+            return  # it was stopped or died while we asked; a late 200 must not revive it
         self._set_health(m, error, definitive=refused)
 
     def _set_health(self, m: _Member, error: str | None, *, definitive: bool = False) -> None:

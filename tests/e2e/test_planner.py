@@ -175,7 +175,12 @@ def _wait_for_a_quiet_step(stack: LiveStack) -> None:
     since = time.time()
 
     def quiet() -> bool:
-        [version] = [v for v in _status(stack)["versions"] if v["version"] == stack.version]
+        # A planner that has not stepped since the stack booted lists no version yet.
+        version = next(
+            (v for v in _status(stack)["versions"] if v["version"] == stack.version), None
+        )
+        if version is None:
+            return False
         last = version["pools"]["prefill"]["last"]
         return last is not None and last["at"] > since and last["desired"] == 1
 

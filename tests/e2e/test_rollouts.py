@@ -48,7 +48,12 @@ QUICK_QUALITY = {
     ],
     "max_tokens": 16,
 }
-LATENCY_GATE = {"kind": "ttft_p95", "max_ratio": 3.0, "min_samples": 10, "failure_limit": 2}
+# A healthy candidate is still slower here by design of the host: its decode worker computes its
+# prompts itself and shares core 0 with prefill-0 (``Supervisor._cpu_binds`` gives it the idler
+# core of two), where the baseline's decode worker has core 1 alone. Measured on this 2-core
+# machine: TTFT p95 0.361 s against the baseline's 0.179 s (x2.0, 26 samples a side); a CI run
+# crossed the old x3.0. 20 samples keep the p95 off the single slowest request.
+LATENCY_GATE = {"kind": "ttft_p95", "max_ratio": 5.0, "min_samples": 20, "failure_limit": 2}
 ERROR_GATE = {"kind": "error_rate", "max_value": 0.0, "min_samples": 10}
 
 
@@ -188,6 +193,18 @@ def split(live_stack: LiveStack) -> list[dict[str, Any]]:
         return list(admin.get(f"/admin/v1/traffic/{live_stack.model}").json()["split"])
 
 
+def story(done: dict[str, Any]) -> str:
+    """The rollout's decisions, one line each, with every gate's verdict sentence: what a failed
+    assertion prints (pytest cuts a long ``repr`` of the decisions before the verdict that
+    matters)."""
+    lines = [f"status {done['status']}"]
+    for decision in done["decisions"]:
+        lines.append(f"{decision['event']}: {decision['detail']}")
+        for m in decision.get("measurements") or ():
+            lines.append(f"    {m['gate']['kind']} {m['verdict']}: {m['detail']}")
+    return "\n".join(lines)
+
+
 def failed_gates(done: dict[str, Any]) -> set[str]:
     failed = next(d for d in done["decisions"] if d["event"] == "failed")
     return {m["gate"]["kind"] for m in failed["measurements"] if m["verdict"] == "fail"}
@@ -215,7 +232,7 @@ def test_a_costlier_candidate_is_rolled_back_then_a_healthy_one_promoted(
                 gates=[{"kind": "busy_cost", "max_ratio": 1.5, "min_samples": 10}, ERROR_GATE],
             )
             done = finished(live_stack, costly)
-            assert done["status"] == "failed", done["decisions"]
+            assert done["status"] == "failed", story(done)
             assert failed_gates(done) == {"busy_cost"}
             assert split(live_stack) == [{"version": live_stack.version, "weight": 100.0}]
             cost = next(
@@ -231,7 +248,7 @@ def test_a_costlier_candidate_is_rolled_back_then_a_healthy_one_promoted(
                 gates=[LATENCY_GATE, ERROR_GATE],
             )
             done = finished(live_stack, healthy)
-        assert done["status"] == "succeeded", done["decisions"]
+        assert done["status"] == "succeeded", (story(done), load.failures[:5])
         events = [d["event"] for d in done["decisions"]]
         assert events[:2] == ["started", "quality_passed"], events
         assert events[-3:] == ["step_passed", "promoted", "succeeded"], events
@@ -255,7 +272,7 @@ def test_a_candidate_with_broken_answers_fails_the_golden_prompts_and_never_gets
         with Load(live_stack, concurrency=2) as load:
             rollout = start(live_stack, candidate, steps=[{"weight": 50, "bake_s": 30}])
             done = finished(live_stack, rollout)
-        assert done["status"] == "failed"
+        assert done["status"] == "failed", story(done)
         assert [d["event"] for d in done["decisions"]] == ["started", "failed"]
         quality = done["quality"]
         assert quality["outcome"] == "fail" and quality["agreement"] < quality["min_agreement"]
@@ -286,7 +303,7 @@ def test_a_slower_candidate_is_rolled_back_without_a_failed_request(
             )
             done = finished(live_stack, rollout)
             time.sleep(3)  # requests queued on the candidate finish; no new one is sent there
-        assert done["status"] == "failed", done["decisions"]
+        assert done["status"] == "failed", story(done)
         assert failed_gates(done) == {"ttft_p95"}
         assert split(live_stack) == [{"version": live_stack.version, "weight": 100.0}]
         assert load.failures == []

@@ -14,6 +14,8 @@ engine core. Behaviour is steered by environment variables:
     FAKE_WORKER_HEALTH_STATUS   HTTP status of /health (default 200)
     FAKE_WORKER_IGNORE_SIGTERM  "1": ignore SIGTERM (the supervisor must escalate to SIGKILL)
     FAKE_WORKER_ESCAPE_GROUP    "1": put the grandchild in its own session, outside our group
+    FAKE_WORKER_STOP_S          on SIGTERM, stop listening (connections are refused) and take
+                                this many seconds to exit, as vLLM does while its engine stops
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -68,6 +71,9 @@ def main() -> None:
         # A second SIGTERM (seen here: the parent-death signal plus one more for an orphan)
         # must not re-enter: a nested Popen.wait deadlocks on the lock the outer one holds.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if stop_s := float(os.environ.get("FAKE_WORKER_STOP_S", "0")):
+            server.socket.close()
+            time.sleep(stop_s)
         grandchild.terminate()
         grandchild.wait()
         sys.exit(0)

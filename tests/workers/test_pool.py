@@ -336,6 +336,30 @@ async def test_drain_of_an_idle_worker_stops_it_and_removes_it(tmp_path: Path) -
         await pool.aclose()
 
 
+async def test_a_drained_worker_stopping_slowly_is_not_reported_unhealthy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vLLM worker refuses connections for seconds while its engine stops: the health polls
+    of that stop are the drain's doing, not a failure to warn an operator about."""
+    caplog.set_level(logging.INFO, logger="tandem.workers")
+    pool = WorkerPool(pool_config(tmp_path, {"FAKE_WORKER_STOP_S": "1.0"}, {}))
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout_s=30)
+        leaving, staying = pool.workers
+        drain = asyncio.create_task(pool.drain("prefill-0", timeout_s=10))
+        await wait_for(lambda: not leaving.healthy, timeout_s=5)
+        assert not drain.done()  # still stopping: ~20 health rounds of refused connections
+        await drain
+        assert pool.workers == [staying]
+    finally:
+        await pool.aclose()
+    assert not [
+        r.getMessage() for r in caplog.records if "prefill-0 is unhealthy" in r.getMessage()
+    ]
+    assert "prefill-0 drained in" in caplog.text
+
+
 async def test_a_drained_worker_is_not_restarted(tmp_path: Path) -> None:
     pool = await started_pool(tmp_path, 1)
     try:
