@@ -15,8 +15,9 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -125,7 +126,7 @@ def test_a_burst_of_long_prompts_adds_a_prefill_worker_and_its_end_drains_it(
         before = _computed(added["url"])
         _wait_for(
             lambda: _computed(added["url"]) > before, SERVE_TIMEOUT_S, live_stack,
-            "prompt computed by the new prefill worker",
+            "prompt computed by the new prefill worker", lambda: _threads_report(pid),
         )  # fmt: skip
 
     # The burst is over: after the down-window the planner drains the worker it added.
@@ -238,14 +239,71 @@ def _serving_new_prefill(stack: LiveStack) -> dict[str, Any] | None:
     return None
 
 
-def _wait_for(check: Any, timeout_s: float, stack: LiveStack, what: str) -> Any:
+def _wait_for(
+    check: Any,
+    timeout_s: float,
+    stack: LiveStack,
+    what: str,
+    diagnose: Callable[[], str] | None = None,
+) -> Any:
+    """``check()``'s first truthy answer, polled each second; at the deadline the test fails
+    with the planner's status and ``diagnose()``'s report."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = check()
         if found:
             return found
         time.sleep(1)
-    pytest.fail(f"no {what} within {timeout_s:.0f} s; planner: {_status(stack)}")
+    report = f"\n{diagnose()}" if diagnose is not None else ""
+    pytest.fail(f"no {what} within {timeout_s:.0f} s; planner: {_status(stack)}{report}")
+
+
+def _threads_report(pid: int, window_s: float = 5.0) -> str:
+    """Each thread of a worker's process tree: its state, the CPU it gained over ``window_s``,
+    where it waits in the kernel, its run-queue wait (``schedstat``), and the innermost frames
+    of its kernel stack for threads runnable or in uninterruptible sleep (R, D). For the new
+    worker's hang (2 of 9 runs alone, 2 of 4 in CI): its model thread once stopped gaining CPU
+    in the middle of a forward pass, and py-spy could not attach to it."""
+
+    def threads() -> dict[tuple[int, int], list[str]]:
+        seen: dict[tuple[int, int], list[str]] = {}
+        try:
+            family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error as exc:
+            return {(pid, 0): [f"<{exc!r}>"]}
+        for process in family:
+            for task in sorted(Path(f"/proc/{process.pid}/task").glob("*")):
+                seen[(process.pid, int(task.name))] = [
+                    _read(task / name) for name in ("comm", "stat", "wchan", "schedstat", "stack")
+                ]
+        return seen
+
+    first = threads()
+    time.sleep(window_s)
+    lines = [f"threads of worker {pid} over {window_s:g} s (state, CPU ticks gained, wchan):"]
+    for (process, tid), (comm, stat, wchan, schedstat, stack) in threads().items():
+        fields = stat.rsplit(") ", 1)[-1].split()
+        if len(fields) < 13:
+            lines.append(f"  {process}/{tid} {comm}: {stat}")
+            continue
+        ticks = int(fields[11]) + int(fields[12])
+        before = first.get((process, tid))
+        old = before[1].rsplit(") ", 1)[-1].split() if before else []
+        gained = ticks - (int(old[11]) + int(old[12])) if len(old) >= 13 else "new"
+        lines.append(
+            f"  {process}/{tid} {comm} {fields[0]} +{gained} wchan={wchan or '-'} "
+            f"schedstat={schedstat}"
+        )
+        if fields[0] in "RD":
+            lines.extend(f"      {frame}" for frame in stack.splitlines()[:8])
+    return "\n".join(lines)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError as exc:
+        return f"<{exc.strerror}>"
 
 
 def _worker_pid(tandem_pid: int, url: str) -> int:
