@@ -264,39 +264,55 @@ def _threads_report(pid: int, window_s: float = 5.0) -> str:
     of its kernel stack for threads runnable or in uninterruptible sleep (R, D). For the new
     worker's hang (2 of 9 runs alone, 2 of 4 in CI): its model thread once stopped gaining CPU
     in the middle of a forward pass, and py-spy could not attach to it."""
-
-    def threads() -> dict[tuple[int, int], list[str]]:
-        seen: dict[tuple[int, int], list[str]] = {}
-        try:
-            family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        except psutil.Error as exc:
-            return {(pid, 0): [f"<{exc!r}>"]}
-        for process in family:
-            for task in sorted(Path(f"/proc/{process.pid}/task").glob("*")):
-                seen[(process.pid, int(task.name))] = [
-                    _read(task / name) for name in ("comm", "stat", "wchan", "schedstat", "stack")
-                ]
-        return seen
-
-    first = threads()
+    before = _threads(pid)
     time.sleep(window_s)
     lines = [f"threads of worker {pid} over {window_s:g} s (state, CPU ticks gained, wchan):"]
-    for (process, tid), (comm, stat, wchan, schedstat, stack) in threads().items():
-        fields = stat.rsplit(") ", 1)[-1].split()
-        if len(fields) < 13:
-            lines.append(f"  {process}/{tid} {comm}: {stat}")
-            continue
-        ticks = int(fields[11]) + int(fields[12])
-        before = first.get((process, tid))
-        old = before[1].rsplit(") ", 1)[-1].split() if before else []
-        gained = ticks - (int(old[11]) + int(old[12])) if len(old) >= 13 else "new"
+    after = _threads(pid)
+    if not after:
+        lines.append("  (no process left)")
+    for key, thread in after.items():
+        earlier = before.get(key)
+        gained = "new" if earlier is None else thread.ticks - earlier.ticks
         lines.append(
-            f"  {process}/{tid} {comm} {fields[0]} +{gained} wchan={wchan or '-'} "
-            f"schedstat={schedstat}"
+            f"  {key[0]}/{key[1]} {thread.comm} {thread.state} +{gained} "
+            f"wchan={thread.wchan or '-'} schedstat={thread.schedstat}"
         )
-        if fields[0] in "RD":
-            lines.extend(f"      {frame}" for frame in stack.splitlines()[:8])
+        if thread.state in ("R", "D"):
+            lines.extend(f"      {frame}" for frame in thread.stack.splitlines()[:8])
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Thread:
+    comm: str
+    state: str
+    ticks: int
+    """User plus system CPU, in clock ticks (``/proc/.../stat`` fields 14 and 15)."""
+    wchan: str
+    schedstat: str
+    stack: str
+
+
+def _threads(pid: int) -> dict[tuple[int, int], _Thread]:
+    """(process, thread id) -> the thread as ``/proc`` shows it, for ``pid`` and its children;
+    a process or thread gone meanwhile is left out."""
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    seen: dict[tuple[int, int], _Thread] = {}
+    for process in family:
+        for task in sorted(Path(f"/proc/{process.pid}/task").glob("*")):
+            # After the ")" closing the command name: state, then fields 4.. of proc(5).
+            fields = _read(task / "stat").rsplit(") ", 1)[-1].split()
+            if len(fields) < 13:
+                continue
+            seen[(process.pid, int(task.name))] = _Thread(
+                _read(task / "comm"), fields[0], int(fields[11]) + int(fields[12]),
+                _read(task / "wchan"), _read(task / "schedstat"), _read(task / "stack"),
+            )  # fmt: skip
+    return seen
 
 
 def _read(path: Path) -> str:
