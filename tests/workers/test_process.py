@@ -18,13 +18,21 @@ from typing import Any
 
 import aiohttp
 import psutil
+import pytest
 
 from core.messages import WorkerRole
 from decode_pool import decode_worker_specs
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.nixl_progress import KEEP_BINDING_ENV
 from prefill_pool import prefill_worker_specs
-from workers.process import LaunchConfig, WorkerProcess, WorkerSpec, worker_argv, worker_env
+from workers.process import (
+    THP_ENV,
+    LaunchConfig,
+    WorkerProcess,
+    WorkerSpec,
+    worker_argv,
+    worker_env,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = (sys.executable, str(Path(__file__).with_name("fake_worker.py")))
@@ -175,6 +183,22 @@ def test_optional_flags_are_left_out() -> None:
     assert "--enforce-eager" not in argv
     assert "--block-size" not in argv
     assert worker_env(spec)["HF_HUB_OFFLINE"] == "1"
+
+
+def test_workers_ask_torch_for_huge_pages_unless_the_environment_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = WorkerSpec(
+        "prefill-0",
+        WorkerRole.PREFILL,
+        port=1,
+        side_channel_port=2,
+        launch=LaunchConfig(model_path=Path("m"), served_model_name="m"),
+    )
+    monkeypatch.delenv(THP_ENV, raising=False)
+    assert worker_env(spec)[THP_ENV] == "1"
+    monkeypatch.setenv(THP_ENV, "0")
+    assert THP_ENV not in worker_env(spec)  # the inherited "0" reaches the worker as it is
 
 
 async def test_start_ready_aclose_leaves_no_process(tmp_path: Path) -> None:
