@@ -8,5 +8,7 @@ legs and routing functions, so the figures are the engines' and not the gateway'
 form measures transfer cost, TTFT split vs colocated, prefill interference and idle CPU
 (``transfer.py``); ``affinity`` measures prefix-cache hits with several prefill workers
 (``affinity.py``). ``python -m bench.kv_transfer.ucx_transports`` needs no workers: NIXL READs
-between two processes per UCX transport (``ucx_transports.py``).
+between two processes per UCX transport (``ucx_transports.py``), and
+``python -m bench.kv_transfer.cma_ceiling`` the kernel copy under them alone, by cores and pages
+(``cma_ceiling.py``).
 """
