@@ -1,0 +1,56 @@
+"""Managed workers' KV caches sit on transparent huge pages (``THP_MEM_ALLOC_ENABLE``, which
+``workers/process.py`` sets): the kernel copy that moves KV between same-host workers pins and
+maps the source's pages on every read, and runs about 3x faster from huge ones
+(docs/ARCHITECTURE.md, KV transport). Read from ``/proc``: each ``VLLM::Worker`` process's
+anonymous huge pages against the KV cache Tandem sized for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import LiveStack
+
+pytestmark = pytest.mark.e2e
+
+GIB = 1 << 30
+
+
+def _thp_mode() -> str:
+    """The bracketed choice in ``/sys/kernel/mm/transparent_hugepage/enabled``."""
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _kv_cache_bytes(worker: psutil.Process) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE`` (GiB) as Tandem gave it to the worker's server."""
+    for process in [worker, *worker.parents()]:
+        space = process.environ().get("VLLM_CPU_KVCACHE_SPACE")
+        if space is not None:
+            return int(space) * GIB
+    raise AssertionError(f"worker {worker.pid} has no VLLM_CPU_KVCACHE_SPACE")
+
+
+def test_the_workers_kv_caches_are_on_huge_pages(live_stack: LiveStack) -> None:
+    mode = _thp_mode()
+    assert mode in ("madvise", "always"), (
+        f"transparent huge pages are '{mode}' on this kernel: workers' KV caches cannot get "
+        "them (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)"
+    )
+    workers = [
+        p
+        for p in psutil.Process(live_stack.pid).children(recursive=True)
+        if p.name() == "VLLM::Worker"
+    ]
+    assert len(workers) >= 2
+    huge = {p.pid: (_huge_bytes(p.pid), _kv_cache_bytes(p)) for p in workers}
+    assert all(on_huge >= kv for on_huge, kv in huge.values()), huge
