@@ -193,7 +193,7 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """torch's switch for transparent huge pages under its CPU allocations of 2 MiB and more (the
 KV cache, the weights). A decode worker reads a prefill worker's KV with one kernel copy that
 pins and maps the prefill worker's pages on every read: on huge pages that is 512 times fewer
-of them, and the copy runs at 87 % of memcpy's speed on one core instead of 34 %
+of them, and one core copies at 87-95 % of memcpy's speed instead of 32-40 %
 (``bench/kv_transfer/cma_ceiling.py``; docs/ARCHITECTURE.md, KV transport). Workers get it
 unless the environment already sets it; the kernel grants huge pages only where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``."""

@@ -57,8 +57,8 @@ PAGES: tuple[Pages, ...] = ("huge", "small")
 
 
 def pattern(nbytes: int) -> np.ndarray:
-    """The holder's bytes: position modulo a prime."""
-    return (np.arange(nbytes, dtype=np.uint64) % _PATTERN).astype(np.uint8)
+    """The holder's bytes: position modulo a prime (one period, repeated)."""
+    return np.resize(np.arange(_PATTERN, dtype=np.uint8), nbytes)
 
 
 def mapped(nbytes: int, pages: Pages) -> tuple[mmap.mmap, np.ndarray]:
