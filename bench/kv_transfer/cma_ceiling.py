@@ -38,6 +38,8 @@ from typing import Literal
 
 import numpy as np
 
+from bench.kv_transfer.transfer import best_copy_seconds
+
 IOV_MAX = 1024
 """Linux's limit on iovecs per process_vm_readv call (UIO_MAXIOV)."""
 _PATTERN = 251  # a prime: a slice copied to the wrong offset does not match by chance
@@ -164,15 +166,6 @@ def timed_read(slices: list[Slice], cores: list[int]) -> float:
     return elapsed
 
 
-def memcpy_seconds(source: np.ndarray, target: np.ndarray, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(target, source)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @dataclass(frozen=True, slots=True)
 class Row:
     pages: Pages
@@ -235,7 +228,7 @@ def measure(
             target.fill(1)
         source_region, source = mapped(nbytes, pages)
         np.copyto(source, expected)
-        memcpy_s = memcpy_seconds(source, target, repeats)
+        memcpy_s = best_copy_seconds(source, target, repeats)
         del source
         source_region.close()
         return [
