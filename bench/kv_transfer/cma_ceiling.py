@@ -70,8 +70,9 @@ def mapped(nbytes: int, pages: Pages) -> tuple[mmap.mmap, np.ndarray]:
     anonymous mapping is shared memory, which THP leaves alone: hence an explicit one."""
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE if pages == "huge" else mmap.MADV_NOHUGEPAGE)
-    start = -np.frombuffer(region, dtype=np.uint8).ctypes.data % _HUGE_PAGE
-    return region, np.frombuffer(region, dtype=np.uint8, count=nbytes, offset=start)
+    whole = np.frombuffer(region, dtype=np.uint8)
+    start = -whole.ctypes.data % _HUGE_PAGE
+    return region, whole[start : start + nbytes]
 
 
 def huge_bytes(pid: int) -> int:

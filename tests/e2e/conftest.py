@@ -108,6 +108,26 @@ def worker_gauge(worker_url: str, name: str) -> float:
     return float(found.group(1))
 
 
+def model_processes(live_stack: LiveStack) -> list[psutil.Process]:
+    """The stack's ``VLLM::Worker`` processes: each vLLM server spawns one, and the model runs
+    on its main thread."""
+    return [
+        p
+        for p in psutil.Process(live_stack.pid).children(recursive=True)
+        if p.name() == "VLLM::Worker"
+    ]
+
+
+def server_env(worker: psutil.Process, name: str) -> str | None:
+    """``name`` as Tandem set it for the vLLM server above ``worker`` (vLLM's engine does not
+    pass every variable on to the worker process it spawns); None where it is unset."""
+    for process in [worker, *worker.parents()]:
+        value = process.environ().get(name)
+        if value is not None:
+            return value
+    return None
+
+
 def _write_profile(path: Path) -> Path:
     """The bundled model's worker as ``tandem profile`` measured it on a 2-core host (eager):
     prefill 256 to 621 prompt tokens/s for 128 to 900-token prompts; ITL 70 to 147 ms for 1 to

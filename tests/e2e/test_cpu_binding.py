@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.e2e.conftest import LiveStack
+from tests.e2e.conftest import LiveStack, model_processes, server_env
 
 pytestmark = pytest.mark.e2e
 
@@ -22,23 +21,8 @@ def _allowed_cpus(pid: int) -> str:
     )
 
 
-def _binding(worker: psutil.Process) -> str | None:
-    """The ``VLLM_CPU_OMP_THREADS_BIND`` Tandem gave the worker's server (vLLM's engine does not
-    pass it on to the worker process it spawns)."""
-    for process in [worker, *worker.parents()]:
-        bind = process.environ().get("VLLM_CPU_OMP_THREADS_BIND")
-        if bind is not None:
-            return bind
-    return None
-
-
 def test_the_model_threads_stay_on_their_own_cores(live_stack: LiveStack) -> None:
-    workers = [
-        p
-        for p in psutil.Process(live_stack.pid).children(recursive=True)
-        if p.name() == "VLLM::Worker"
-    ]
-    bound = {p.pid: _binding(p) for p in workers}
+    bound = {p.pid: server_env(p, "VLLM_CPU_OMP_THREADS_BIND") for p in model_processes(live_stack)}
     assert len(bound) >= 2 and all(bound.values()), bound
     assert {pid: _allowed_cpus(pid) for pid in bound} == bound
     assert len(set(bound.values())) == len(bound), "prefill and decode on cores of their own"

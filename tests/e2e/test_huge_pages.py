@@ -11,7 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.conftest import LiveStack
+from bench.kv_transfer.cma_ceiling import huge_bytes
+from tests.e2e.conftest import LiveStack, model_processes, server_env
 
 pytestmark = pytest.mark.e2e
 
@@ -24,20 +25,11 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-def _huge_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _kv_cache_bytes(worker: psutil.Process) -> int:
     """``VLLM_CPU_KVCACHE_SPACE`` (GiB) as Tandem gave it to the worker's server."""
-    for process in [worker, *worker.parents()]:
-        space = process.environ().get("VLLM_CPU_KVCACHE_SPACE")
-        if space is not None:
-            return int(space) * GIB
-    raise AssertionError(f"worker {worker.pid} has no VLLM_CPU_KVCACHE_SPACE")
+    space = server_env(worker, "VLLM_CPU_KVCACHE_SPACE")
+    assert space is not None, f"worker {worker.pid} has no VLLM_CPU_KVCACHE_SPACE"
+    return int(space) * GIB
 
 
 def test_the_workers_kv_caches_are_on_huge_pages(live_stack: LiveStack) -> None:
@@ -46,11 +38,7 @@ def test_the_workers_kv_caches_are_on_huge_pages(live_stack: LiveStack) -> None:
         f"transparent huge pages are '{mode}' on this kernel: workers' KV caches cannot get "
         "them (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)"
     )
-    workers = [
-        p
-        for p in psutil.Process(live_stack.pid).children(recursive=True)
-        if p.name() == "VLLM::Worker"
-    ]
+    workers = model_processes(live_stack)
     assert len(workers) >= 2
-    huge = {p.pid: (_huge_bytes(p.pid), _kv_cache_bytes(p)) for p in workers}
+    huge = {p.pid: (huge_bytes(p.pid), _kv_cache_bytes(p)) for p in workers}
     assert all(on_huge >= kv for on_huge, kv in huge.values()), huge
