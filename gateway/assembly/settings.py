@@ -115,6 +115,9 @@ class TandemSettings(BaseSettings):
     nixl_progress_delay_us: int = Field(1000, ge=0)
     """Poll timeout of each worker's NIXL progress thread, in µs. 0 is NIXL's own: a busy poll
     that keeps a whole core at 100 % on every idle worker."""
+    nixl_thread_nice: int = Field(19, ge=0, le=19)
+    """Nice value of the threads NIXL starts in each managed worker: 19 lets the model's
+    thread, which does the KV copy, keep its core; 0 leaves them at the worker's."""
     ucx_transports: str | None = None
     """The managed workers' ``UCX_TLS`` for KV transfers, e.g. ``cma,tcp``; unset leaves UCX's
     default, which picks per pair of workers (CMA on one host, RDMA or TCP across hosts;

@@ -40,6 +40,7 @@ def connector_config(settings: TandemSettings) -> ConnectorConfig:
     return ConnectorConfig(
         kv_lease_s=settings.kv_lease_s,
         progress_delay_us=settings.nixl_progress_delay_us,
+        thread_nice=settings.nixl_thread_nice,
         ucx_transports=settings.ucx_transports,
     )
 

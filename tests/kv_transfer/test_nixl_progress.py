@@ -1,8 +1,10 @@
-"""The plugin that gives NIXL's progress thread a poll timeout instead of a busy loop."""
+"""The plugin that gives NIXL's progress thread a poll timeout instead of a busy loop, and
+NIXL's threads a nice value that leaves the model's thread its core."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from types import ModuleType, SimpleNamespace
@@ -16,10 +18,13 @@ from kv_transfer.connector import ConnectorConfig, connector_env
 from kv_transfer.nixl_progress import (
     DELAY_ENV,
     KEEP_BINDING_ENV,
+    NICE_ENV,
     DelayedAgentBinding,
     install,
+    install_nice,
     keeping_binding,
     parse_delay,
+    parse_nice,
 )
 
 
@@ -108,6 +113,7 @@ def test_register_does_nothing_unless_tandem_asked(monkeypatch: pytest.MonkeyPat
 def test_workers_get_the_delay_and_the_ucx_option_vllm_would_have_set() -> None:
     env = connector_env(ConnectorConfig(progress_delay_us=2000), "127.0.0.1", 5600)
     assert env[DELAY_ENV] == "2000"
+    assert env[NICE_ENV] == "19"
     assert env["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
 
@@ -173,3 +179,103 @@ def test_register_keeps_the_binding_only_where_tandem_pinned_the_worker(
     assert wrapped is not original and getattr(wrapped, "tandem_keeps_binding", False)
     assert wrapped.__closure__ is not None
     assert original in [cell.cell_contents for cell in wrapped.__closure__]
+
+
+def nice_of(thread: threading.Thread) -> int:
+    assert thread.native_id is not None
+    return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+
+class ThreadedAgent:
+    """Like ``nixl_agent``: its constructor starts a helper thread that outlives it."""
+
+    def __init__(self, name: str, release: threading.Event) -> None:
+        self.name = name
+        self.helper = threading.Thread(target=release.wait, name=f"{name}-helper")
+        self.helper.start()
+
+
+def test_threads_an_agent_starts_get_the_nice_value_and_no_other_thread_does() -> None:
+    api = ModuleType("fake_api")
+    api.nixl_agent = type("nixl_agent", (ThreadedAgent,), {})  # type: ignore[attr-defined]
+    release = threading.Event()
+    bystander = threading.Thread(target=release.wait)
+    bystander.start()
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        assert install_nice(api, 19)
+        agent = api.nixl_agent("a", release)
+        assert agent.name == "a"  # the constructor itself ran, with its arguments
+        assert nice_of(agent.helper) == 19
+        assert nice_of(bystander) == own
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    finally:
+        release.set()
+        bystander.join()
+
+
+def test_installing_the_nice_value_twice_updates_it_without_wrapping_twice() -> None:
+    api = ModuleType("fake_api")
+    api.nixl_agent = type("nixl_agent", (ThreadedAgent,), {})  # type: ignore[attr-defined]
+    install_nice(api, 10)
+    install_nice(api, 15)
+    release = threading.Event()
+    try:
+        agent = api.nixl_agent("a", release)
+        assert nice_of(agent.helper) == 15
+        assert api.nixl_agent.__init__.__wrapped__ is ThreadedAgent.__init__
+    finally:
+        release.set()
+
+
+def test_an_api_without_the_agent_class_is_reported_not_broken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert not install_nice(ModuleType("newer_nixl_api"), 19)
+    assert NICE_ENV in caplog.text
+
+
+@pytest.mark.parametrize(("raw", "match"), [("low", "whole number"), ("20", "19"), ("-5", "0")])
+def test_a_bad_nice_value_names_the_variable(raw: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        parse_nice(raw)
+    assert NICE_ENV in str(info.value)
+
+
+def test_the_connector_refuses_a_nice_value_out_of_range() -> None:
+    with pytest.raises(ValueError, match=r"0 .* to 19"):
+        ConnectorConfig(thread_nice=20)
+
+
+def test_register_installs_the_nice_value_alone_when_only_it_was_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = ModuleType("fake_api")
+    api.nixl_agent = type("nixl_agent", (ThreadedAgent,), {})  # type: ignore[attr-defined]
+    api.nixlBind = FakeBinding()  # type: ignore[attr-defined]
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+    monkeypatch.setenv(NICE_ENV, "12")
+    monkeypatch.setattr(nixl_progress.importlib, "import_module", lambda name: api)
+    nixl_progress.register()
+    assert api.nixl_agent.__init__.tandem_nice == 12
+    assert isinstance(api.nixlBind, FakeBinding)  # no delay asked, none installed
+
+
+def test_a_real_nixl_agent_starts_its_threads_while_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL's listener, progress and UCX threads exist once the constructor returns, so the
+    nice value reaches them: none is started later, at its original priority."""
+    api = importlib.import_module("nixl._api")
+    monkeypatch.setattr(api.nixl_agent, "__init__", api.nixl_agent.__init__)  # undone after
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = nixl_progress.thread_ids()
+    assert install_nice(api, 19)
+    agent = api.nixl_agent("tandem-nice-test", api.nixl_agent_config(num_threads=1))
+    try:
+        started = nixl_progress.thread_ids() - before
+        assert len(started) >= 2, f"NIXL started {len(started)} threads"
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in started} == {19}
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+    finally:
+        del agent
