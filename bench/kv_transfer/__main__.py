@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from bench.kv_transfer import affinity, transfer
+from bench.kv_transfer import affinity, thread_nice, transfer
 from bench.kv_transfer.common import Target, chat, served_model, split_request
 
 
@@ -29,6 +29,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     hits.add_argument("--question-tokens", type=int, default=32)
     hits.add_argument("--concurrency", type=int, default=4)
     hits.add_argument("--seed", type=int, default=0, help="fixes the order of the requests")
+    nice = commands.add_parser("nice", help="KV reads with NIXL's threads at nice 0 vs lowered")
+    nice.add_argument("--sizes", type=int, nargs="+", default=list(thread_nice.SIZES),
+                      help="prompt sizes in tokens")  # fmt: skip
+    nice.add_argument("--pairs", type=int, default=8, help="pairs of requests per size")
     return parser.parse_args(argv)
 
 
@@ -47,6 +51,9 @@ async def run(args: argparse.Namespace) -> None:
             session, args.prefill.rstrip("/"), decode, await served_model(session, decode)
         )
         await split_request(target, chat(target.model, "warm up " * 50, 2, True))  # NIXL handshake
+        if args.command == "nice":
+            await thread_nice.run(target, args.sizes, args.pairs)
+            return
         await transfer.run(target, args)
 
 
