@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from bench.kv_transfer.common import Target, chat, count_tokens, prompt_of, split_request
-from bench.kv_transfer.transfer import nixl_totals, worker_tree
+from bench.kv_transfer.transfer import memcpy_seconds, nixl_totals, worker_tree
 
 SIZES = (1024, 4096)
 SETTLE_S = 1.5
@@ -84,6 +84,8 @@ class PairedRow:
     lowered: int
     xfer_s: dict[int, list[float]]
     handoff_s: dict[int, list[float]]
+    memcpy_s: float
+    """A memcpy of the transfer's bytes on this machine, in the same run (numpy, best of 5)."""
 
     def render(self) -> str:
         def median_ms(values: dict[int, list[float]], nice: int) -> float:
@@ -92,7 +94,8 @@ class PairedRow:
         at_0, at_low = median_ms(self.xfer_s, 0), median_ms(self.xfer_s, self.lowered)
         return (
             f"{self.tokens:>7} {len(self.xfer_s[0]):>5} {at_0:>9.1f} {at_low:>9.1f} "
-            f"{at_low / at_0:>6.2f} {median_ms(self.handoff_s, 0):>10.0f} "
+            f"{at_low / at_0:>6.2f} {self.memcpy_s * 1e3:>9.2f} "
+            f"{at_low / (self.memcpy_s * 1e3):>9.1f} {median_ms(self.handoff_s, 0):>10.0f} "
             f"{median_ms(self.handoff_s, self.lowered):>10.0f}"
         )
 
@@ -100,19 +103,27 @@ class PairedRow:
 def header(lowered: int) -> str:
     return (
         f"{'tokens':>7} {'pairs':>5} {'xfer @0':>9} {f'xfer @{lowered}':>9} {'ratio':>6} "
-        f"{'leg 2 @0':>10} {f'leg 2 @{lowered}':>10}"
+        f"{'memcpy':>9} {f'@{lowered}/cpy':>9} {'leg 2 @0':>10} {f'leg 2 @{lowered}':>10}"
     )
 
 
-async def one_read(target: Target, tokens: int) -> tuple[float, float, int]:
-    """One split request of about ``tokens``: its transfer and hand-off seconds, its tokens."""
+@dataclass(frozen=True, slots=True)
+class Read:
+    xfer_s: float
+    handoff_s: float
+    kv_bytes: float
+    tokens: int
+
+
+async def one_read(target: Target, tokens: int) -> Read:
+    """One split request of about ``tokens``, its transfer read from NIXL's counters."""
     text = await prompt_of(target, tokens)
     counted = await count_tokens(target.session, target.decode, target.model, text)
-    _, before = await nixl_totals(target)
+    bytes_before, before = await nixl_totals(target)
     split = await split_request(target, chat(target.model, text, 2, True))
     await asyncio.sleep(SETTLE_S)
-    _, after = await nixl_totals(target)
-    return after - before, split.handoff_s, counted
+    bytes_after, after = await nixl_totals(target)
+    return Read(after - before, split.handoff_s, bytes_after - bytes_before, counted)
 
 
 async def measure(
@@ -120,15 +131,17 @@ async def measure(
 ) -> PairedRow:
     xfer: dict[int, list[float]] = {0: [], lowered: []}
     handoff: dict[int, list[float]] = {0: [], lowered: []}
-    counted: list[int] = []
+    reads: list[Read] = []
     for order in pair_orders(pairs, lowered):
         for nice in order:
             set_nice(tids, nice)
-            xfer_s, handoff_s, tokens = await one_read(target, size)
-            xfer[nice].append(xfer_s)
-            handoff[nice].append(handoff_s)
-            counted.append(tokens)
-    return PairedRow(int(statistics.median(counted)), lowered, xfer, handoff)
+            read = await one_read(target, size)
+            xfer[nice].append(read.xfer_s)
+            handoff[nice].append(read.handoff_s)
+            reads.append(read)
+    kv_bytes = statistics.median(read.kv_bytes for read in reads)
+    tokens = int(statistics.median(read.tokens for read in reads))
+    return PairedRow(tokens, lowered, xfer, handoff, memcpy_seconds(int(kv_bytes)))
 
 
 async def run(target: Target, sizes: list[int], pairs: int) -> None:
@@ -136,8 +149,8 @@ async def run(target: Target, sizes: list[int], pairs: int) -> None:
     tids, lowered = lowered_threads(worker.pid)
     print(
         f"Decode worker {worker.pid}: {len(tids)} threads at nice {lowered}, switched to 0 and "
-        f"back for alternate requests (transfer: NIXL's counters; leg 2: the hand-off; medians, "
-        f"ms):"
+        f"back for alternate requests (transfer: NIXL's counters; memcpy: the same bytes, numpy; "
+        f"leg 2: the hand-off; medians, ms):"
     )
     print(header(lowered))
     try:

@@ -1,5 +1,6 @@
 """bench.kv_transfer's ``nice`` form, its parts that need no workers: finding the threads Tandem
-lowered from ``/proc``, the order of each pair, and the table's arithmetic."""
+lowered from ``/proc``, the order of each pair, and the table's arithmetic (medians of each side,
+and the lowered side against a memcpy of the same bytes)."""
 
 from __future__ import annotations
 
@@ -54,5 +55,6 @@ def test_the_row_compares_the_medians_of_each_side() -> None:
         lowered=19,
         xfer_s={0: [0.020, 0.018, 0.030], 19: [0.010, 0.012, 0.011]},
         handoff_s={0: [0.100, 0.120, 0.110], 19: [0.090, 0.080, 0.085]},
+        memcpy_s=0.0025,
     )
-    assert row.render().split() == ["990", "3", "20.0", "11.0", "0.55", "110", "85"]
+    assert row.render().split() == ["990", "3", "20.0", "11.0", "0.55", "2.50", "4.4", "110", "85"]
