@@ -13,7 +13,7 @@ The threads: a decode worker READs KV in its model's thread (UCX copies inside t
 hands a transfer to its own threads only from 1,024 descriptors). NIXL's UCX progress thread
 wakes on every completion of that transfer and progresses the same UCX worker, on the same
 core, since a pinned worker's threads inherit its binding: measured with ``perf sched`` on a
-2-core host, it took 4.9 ms of a 16.4 ms read of a 1k-token prompt, more than the copying
+2-core host, it took 4.9 ms of a 16.8 ms read of a 1k-token prompt, more than the copying
 thread's own 4.4 ms. Where Tandem asks (``NICE_ENV``), every thread NIXL starts while an agent is
 built (its listener, progress, UCX async and worker threads) gets that nice value, so it runs
 when the model's thread does not want the core; it still runs at once on an idle core. Raising
