@@ -100,9 +100,10 @@ def install(api: ModuleType, delay_us: int) -> bool:
     return True
 
 
-def thread_ids() -> set[int]:
-    """The kernel ids of this process's threads."""
-    return {int(name) for name in os.listdir("/proc/self/task")}
+def thread_ids(pid: int | str = "self") -> set[int]:
+    """The kernel ids of a process's threads (this one's by default). Each is also what
+    ``os.getpriority``/``setpriority`` take to read or set that one thread's nice value."""
+    return {int(name) for name in os.listdir(f"/proc/{pid}/task")}
 
 
 def yielding_threads(init: Callable[..., None], nice: int) -> Callable[..., None]:

@@ -19,12 +19,12 @@ import os
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
 from bench.kv_transfer.common import Target, chat, count_tokens, prompt_of, split_request
 from bench.kv_transfer.transfer import memcpy_seconds, nixl_totals, worker_tree
+from kv_transfer.nixl_progress import thread_ids
 
 SIZES = (1024, 4096)
 SETTLE_S = 1.5
@@ -39,23 +39,17 @@ def decode_worker(url: str) -> psutil.Process:
     return workers[0]
 
 
-def thread_nice(pid: int, tid: int) -> int:
-    """A thread's nice value, from ``/proc`` (field 19 of its ``stat``)."""
-    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[16])
-
-
 def lowered_threads(pid: int) -> tuple[list[int], int]:
     """The threads of ``pid`` above its main thread's nice value, and that value of theirs."""
-    own = thread_nice(pid, pid)
+    own = os.getpriority(os.PRIO_PROCESS, pid)
     lowered = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid in thread_ids(pid):
         try:
-            nice = thread_nice(pid, int(task.name))
-        except (FileNotFoundError, ProcessLookupError):
+            nice = os.getpriority(os.PRIO_PROCESS, tid)
+        except ProcessLookupError:
             continue  # the thread ended
         if nice > own:
-            lowered[int(task.name)] = nice
+            lowered[tid] = nice
     if not lowered:
         raise RuntimeError(
             f"no thread of worker {pid} runs below its main thread's priority: is "
@@ -129,19 +123,19 @@ async def one_read(target: Target, tokens: int) -> Read:
 async def measure(
     target: Target, tids: list[int], lowered: int, size: int, pairs: int
 ) -> PairedRow:
-    xfer: dict[int, list[float]] = {0: [], lowered: []}
-    handoff: dict[int, list[float]] = {0: [], lowered: []}
-    reads: list[Read] = []
+    reads: dict[int, list[Read]] = {0: [], lowered: []}
     for order in pair_orders(pairs, lowered):
         for nice in order:
             set_nice(tids, nice)
-            read = await one_read(target, size)
-            xfer[nice].append(read.xfer_s)
-            handoff[nice].append(read.handoff_s)
-            reads.append(read)
-    kv_bytes = statistics.median(read.kv_bytes for read in reads)
-    tokens = int(statistics.median(read.tokens for read in reads))
-    return PairedRow(tokens, lowered, xfer, handoff, memcpy_seconds(int(kv_bytes)))
+            reads[nice].append(await one_read(target, size))
+    every = reads[0] + reads[lowered]
+    return PairedRow(
+        tokens=int(statistics.median(read.tokens for read in every)),
+        lowered=lowered,
+        xfer_s={nice: [read.xfer_s for read in side] for nice, side in reads.items()},
+        handoff_s={nice: [read.handoff_s for read in side] for nice, side in reads.items()},
+        memcpy_s=memcpy_seconds(int(statistics.median(read.kv_bytes for read in every))),
+    )
 
 
 async def run(target: Target, sizes: list[int], pairs: int) -> None:

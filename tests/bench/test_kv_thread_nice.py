@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from bench.kv_transfer.thread_nice import PairedRow, lowered_threads, pair_orders, thread_nice
+from bench.kv_transfer.thread_nice import PairedRow, lowered_threads, pair_orders
 
 
 def test_the_threads_below_the_main_threads_priority_are_found_with_their_value() -> None:
@@ -28,7 +28,7 @@ def test_the_threads_below_the_main_threads_priority_are_found_with_their_value(
     try:
         ready.wait(5)
         assert thread.native_id is not None
-        assert thread_nice(os.getpid(), thread.native_id) == 19
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == 19
         assert lowered_threads(os.getpid()) == ([thread.native_id], 19)
     finally:
         release.set()

@@ -6,12 +6,12 @@ thread (their nice value). Read from ``/proc``: the affinity and nice value of e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from bench.kv_transfer.thread_nice import thread_nice
-from kv_transfer.nixl_progress import NICE_ENV
+from kv_transfer.nixl_progress import NICE_ENV, thread_ids
 from tests.e2e.conftest import LiveStack, model_processes, server_env
 
 pytestmark = pytest.mark.e2e
@@ -35,11 +35,11 @@ def test_nixl_threads_yield_the_core_to_the_model_thread(live_stack: LiveStack) 
     for worker in model_processes(live_stack):
         asked = server_env(worker, NICE_ENV)
         assert asked == "19", f"worker {worker.pid} got {NICE_ENV}={asked}"
-        tids = [int(t.name) for t in Path(f"/proc/{worker.pid}/task").iterdir()]
+        tids = thread_ids(worker.pid)
         names = {
             tid: Path(f"/proc/{worker.pid}/task/{tid}/comm").read_text().strip() for tid in tids
         }
-        nice = {tid: thread_nice(worker.pid, tid) for tid in tids}
+        nice = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}
         own = nice[worker.pid]  # the model's thread keeps the worker's priority
         assert own < 19, f"worker {worker.pid}'s own nice value is {own}"
         ucx_async = [tid for tid in tids if names[tid] == "async"]  # UCX's, started by NIXL
