@@ -18,7 +18,9 @@ requests cut by the window's edges count for what they received inside it.
 The profile says where the light tenant's TTFT goes under the flood: the gateway's own split by
 band (queue wait, TTFT), the workers' (vLLM's queue time, prefill time, time per output token,
 preemptions) over the same window, and each process's CPU use (the machine's cores are shared
-by the gateway, the workers and this load generator).
+by the gateway, the workers and this load generator). The load generator's own event-loop stalls
+in the window are printed too: while it stalls it neither reads nor sends, the heavy tenants'
+queues drain (the weight-3 tenant's first), and the served ratio then describes the client.
 
     .venv/bin/python -m bench.noisy_neighbours --admin-key KEY --light-band interactive
 """
@@ -34,7 +36,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import httpx
 import openai
@@ -42,6 +44,7 @@ import psutil
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.loop_lag import LoopLag
 from bench.stats import percentile
 
 LIGHT_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name one colour."}]
@@ -105,6 +108,10 @@ class FloodResult:
     served: dict[str, float]
     """Tokens (prompt + 2 x output) each heavy tenant received in the measured window."""
     profile: dict[str, str]
+    longest_stall_s: float
+    """The load generator's longest event-loop stall in the window (``bench.loop_lag``)."""
+    stalled_s: float
+    """Its stalls of 0.1 s or more, added up."""
 
     @property
     def ratio(self) -> float:
@@ -238,17 +245,23 @@ async def flood(
             for _ in range(streams)
             for name in ("w1", "w3")
         ]
+        # A stalled generator stops reading and sending: the weight-3 tenant's shorter queue
+        # runs dry meanwhile, and the window then measures the client, not the gateway.
+        lag = LoopLag()
         try:
             await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
             async with Profiler(base, workers) as profiler:
+                lag.start()
                 start = time.perf_counter()
                 occupancy = asyncio.create_task(_sample_occupancy(admin, names))
                 flooded = await light_phase(clients["light"], model, light_rate, duration_s)
                 end = time.perf_counter()
+                await lag.aclose()
                 occupancy.cancel()
                 samples = await occupancy
         finally:
             stop.set()
+            await lag.aclose()
         await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
         served = {name: load.served_in(start, end) for name, load in heavy.items()}
         for client in clients.values():
@@ -258,7 +271,15 @@ async def flood(
             profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
                 f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
             )
-        return FloodResult(unloaded, flooded, heavy, end - start, served, profile)
+        return FloodResult(
+            unloaded, flooded, heavy, end - start, served, profile, lag.longest_s, lag.late_s()
+        )
+
+
+def run_flood(base_url: str, admin_key: str, model: str, **options: Any) -> FloodResult:
+    """``flood`` on an event loop of its own: what a process pool runs, so that the load
+    generator does not share a process (its heap, its other threads) with its caller."""
+    return asyncio.run(flood(base_url, admin_key, model, **options))
 
 
 async def _sample_occupancy(
@@ -445,6 +466,10 @@ def print_result(result: FloodResult, light_band: str) -> None:
         )
     print(f"light errors: unloaded {result.unloaded.errors or 'none'}, "
           f"flooded {result.flooded.errors or 'none'}")  # fmt: skip
+    print(
+        f"load generator's event loop in the window: longest stall "
+        f"{1000 * result.longest_stall_s:.0f} ms, {result.stalled_s:.1f} s in stalls of 0.1 s+"
+    )
     print("\nprofile over the measured window:")
     for label, value in result.profile.items():
         print(f"  {label}: {value}")
@@ -465,13 +490,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup-s", type=float, default=20.0, help="flood before measuring")
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args(argv)
-    result = asyncio.run(
-        flood(
-            args.base_url, args.admin_key, args.model,
-            light_band=args.light_band, light_rate=args.light_rate, streams=args.streams,
-            output_tokens=args.output_tokens, duration_s=args.duration_s,
-            warmup_s=args.warmup_s,
-        )
+    result = run_flood(
+        args.base_url, args.admin_key, args.model,
+        light_band=args.light_band, light_rate=args.light_rate, streams=args.streams,
+        output_tokens=args.output_tokens, duration_s=args.duration_s, warmup_s=args.warmup_s,
     )  # fmt: skip
     print_result(result, args.light_band)
     if args.json:
@@ -484,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
             "flooded_p50_ms": 1000 * statistics.median(fl),
             "flooded_p95_ms": 1000 * percentile(fl, 95),
             "heavy_errors": {name: load.errors for name, load in result.heavy.items()},
+            "generator_longest_stall_ms": 1000 * result.longest_stall_s,
         }
         json.dump(figures, sys.stdout)
         print()

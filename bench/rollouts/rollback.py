@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.loop_lag import LoopLag
 from bench.overhead.fake_vllm import Timing
 from bench.rollouts.replicas import (
     ADMIN_KEY,
@@ -153,30 +154,6 @@ class Load:
             except (aiohttp.ClientError, TimeoutError):
                 self.transport_errors += 1
                 await asyncio.sleep(0.1)
-
-
-class LoopLag:
-    """How late a 10 ms sleep wakes up: what the shared event loop adds to every figure."""
-
-    def __init__(self) -> None:
-        self.lags_s: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._watch(), name="bench-loop-lag")
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(0.01)
-            self.lags_s.append(loop.time() - before - 0.01)
 
 
 @dataclass(frozen=True, slots=True)
