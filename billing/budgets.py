@@ -61,6 +61,8 @@ class BudgetGuard:
         """(tenant, month, threshold) alerts already fired (here or by another gateway)."""
         self._is_shared = shared
         self._shared: dict[str, int] | None = None
+        self._seen_unloaded: dict[str, int] = {}
+        """Totals the channel delivered before the month's first read came back."""
         """This month's totals as the shared counter last told them; None: not read yet."""
         self._pending: list[tuple[int, str, int]] = []
         """(sequence, tenant, micros) recorded this month, not yet taken by the counter."""
@@ -168,6 +170,7 @@ class BudgetGuard:
         self._stored_spend = {}
         self._fired = {key for key in self._fired if key[1] == month}
         self._shared = None
+        self._seen_unloaded = {}
         self._pending = []
         self._pending_by_tenant = {}
 
@@ -203,19 +206,32 @@ class BudgetGuard:
             self._pending_by_tenant[tenant_id] = self._pending_by_tenant.get(tenant_id, 0) + micros
 
     def shared_loaded(self, month: str, totals: dict[str, int]) -> None:
-        """The counter's whole month, as just read."""
-        if month == self.month:
-            self._shared = dict(totals)
+        """The counter's whole month, as just read, merged by the larger total per tenant with
+        what this gateway saw before. A read and a message travel apart (the read on one
+        connection, the channel on another): an increment Redis ran after the read can be
+        delivered before the read's reply, and replacing the view with the reply would lose it
+        until the next refresh. Keeping the larger total refuses early, never late."""
+        if month != self.month:
+            return
+        merged = dict(totals)
+        for seen in (self._shared or {}, self._seen_unloaded):
+            for tenant_id, total in seen.items():
+                if total > merged.get(tenant_id, 0):
+                    merged[tenant_id] = total
+        self._shared = merged
+        self._seen_unloaded = {}
 
     def shared_seen(self, month: str, tenant_id: str, total: int) -> bool:
         """A total the counter reported (a reply or a message); totals only grow between reads,
-        so an older one arriving late changes nothing. True if it raised this gateway's view."""
-        if month != self.month or self._shared is None:
+        so an older one arriving late changes nothing. True if it raised this gateway's view;
+        before the month's first read came back, it is kept for that read (False)."""
+        if month != self.month:
             return False
-        if total <= self._shared.get(tenant_id, 0):
+        seen = self._seen_unloaded if self._shared is None else self._shared
+        if total <= seen.get(tenant_id, 0):
             return False
-        self._shared[tenant_id] = total
-        return True
+        seen[tenant_id] = total
+        return self._shared is not None
 
     def _crossed(self, tenant_id: str) -> list[BudgetAlert]:
         account = self.account(tenant_id)

@@ -159,3 +159,28 @@ def test_a_straggler_from_last_month_does_not_count_this_month() -> None:
     assert guard.month == DEC
     assert guard.spend("acme") == 100
     assert levels(guard.add("acme", DEC, 400)) == [50]
+
+
+def test_a_total_delivered_before_the_read_came_back_is_kept() -> None:
+    """Another gateway's increment ran after this gateway's read of the month, and its message
+    arrived first: the read's older reply must neither drop nor undo it."""
+    guard = BudgetGuard(NOV, shared=True)
+    assert guard.shared_seen(NOV, "acme", 300) is False  # no read back yet: kept for it
+    guard.shared_loaded(NOV, {"acme": 0, "other": 50})
+    assert guard.status("acme").spend_micros == 300
+    assert guard.status("other").spend_micros == 50
+    assert guard.shared_seen(NOV, "acme", 500) is True
+    guard.shared_loaded(NOV, {"acme": 400})  # a read that ran before the 500
+    assert guard.status("acme").spend_micros == 500
+    assert guard.status("other").spend_micros == 50
+
+
+def test_a_total_seen_for_another_month_or_before_a_roll_over_is_not_kept() -> None:
+    guard = BudgetGuard(NOV, shared=True)
+    assert guard.shared_seen("2026-10", "acme", 300) is False
+    assert guard.shared_seen(NOV, "acme", 200) is False
+    guard.roll_over(DEC)
+    guard.shared_loaded(DEC, {})
+    assert guard.status("acme").spend_micros == 0
+    guard.shared_loaded(NOV, {"acme": 900})  # last month's read, back late: ignored
+    assert guard.status("acme").spend_micros == 0
