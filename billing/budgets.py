@@ -61,9 +61,9 @@ class BudgetGuard:
         """(tenant, month, threshold) alerts already fired (here or by another gateway)."""
         self._is_shared = shared
         self._shared: dict[str, int] | None = None
+        """This month's totals as the shared counter last told them; None: not read yet."""
         self._seen_unloaded: dict[str, int] = {}
         """Totals the channel delivered before the month's first read came back."""
-        """This month's totals as the shared counter last told them; None: not read yet."""
         self._pending: list[tuple[int, str, int]] = []
         """(sequence, tenant, micros) recorded this month, not yet taken by the counter."""
         self._pending_by_tenant: dict[str, int] = {}
