@@ -20,7 +20,10 @@ band (queue wait, TTFT), the workers' (vLLM's queue time, prefill time, time per
 preemptions) over the same window, and each process's CPU use (the machine's cores are shared
 by the gateway, the workers and this load generator). The load generator's own event-loop stalls
 in the window are printed too: while it stalls it neither reads nor sends, the heavy tenants'
-queues drain (the weight-3 tenant's first), and the served ratio then describes the client.
+queues drain (the weight-3 tenant's first), and the served ratio then describes the client. So a
+window with a stall of 2 s or more is discarded and another measured (``--max-windows`` in all),
+and each window prints what the host did meanwhile (CPU steal, iowait, the kernel's pressure
+stalls: ``bench.host_pressure``), which says whether the stall was this process's or the machine's.
 
     .venv/bin/python -m bench.noisy_neighbours --admin-key KEY --light-band interactive
 """
@@ -44,6 +47,7 @@ import psutil
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import host_pressure
 from bench.loop_lag import LoopLag
 from bench.stats import percentile
 
@@ -98,25 +102,75 @@ class LightLoad:
 
 
 @dataclass(frozen=True)
-class FloodResult:
-    """One run: the light tenant unloaded and flooded, the heavy tenants' service."""
+class Window:
+    """One measured window of the flood: the light tenant's requests in it, the profile over it,
+    the load generator's stalls, and what the host did meanwhile (``bench.host_pressure``)."""
 
-    unloaded: LightLoad
+    start: float
+    end: float
     flooded: LightLoad
-    heavy: dict[str, TenantLoad]
-    window_s: float
-    served: dict[str, float]
-    """Tokens (prompt + 2 x output) each heavy tenant received in the measured window."""
     profile: dict[str, str]
     longest_stall_s: float
     """The load generator's longest event-loop stall in the window (``bench.loop_lag``)."""
     stalled_s: float
     """Its stalls of 0.1 s or more, added up."""
+    host: str
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FloodResult:
+    """One run: the light tenant unloaded and flooded, the heavy tenants' service.
+
+    ``windows`` are in the order measured; the last is the one reported. The ones before it
+    were discarded because the load generator stalled in them (``flood``)."""
+
+    unloaded: LightLoad
+    heavy: dict[str, TenantLoad]
+    windows: list[Window]
+
+    @property
+    def measured(self) -> Window:
+        return self.windows[-1]
+
+    @property
+    def discarded(self) -> list[Window]:
+        return self.windows[:-1]
+
+    @property
+    def flooded(self) -> LightLoad:
+        return self.measured.flooded
+
+    @property
+    def window_s(self) -> float:
+        return self.measured.seconds
+
+    @property
+    def served(self) -> dict[str, float]:
+        """Tokens (prompt + 2 x output) each heavy tenant received in the measured window."""
+        window = self.measured
+        return {name: load.served_in(window.start, window.end) for name, load in self.heavy.items()}
+
+    @property
+    def profile(self) -> dict[str, str]:
+        return self.measured.profile
+
+    @property
+    def longest_stall_s(self) -> float:
+        return self.measured.longest_stall_s
+
+    @property
+    def stalled_s(self) -> float:
+        return self.measured.stalled_s
 
     @property
     def ratio(self) -> float:
         """Weight-3 : weight-1 served tokens."""
-        return self.served["w3"] / self.served["w1"] if self.served["w1"] else float("nan")
+        served = self.served
+        return served["w3"] / served["w1"] if served["w1"] else float("nan")
 
 
 def _kind(exc: openai.APIError) -> str:
@@ -206,8 +260,15 @@ async def flood(
     output_tokens: int = 48,
     duration_s: float = 60.0,
     warmup_s: float = 20.0,
+    max_stall_s: float = 2.0,
+    max_windows: int = 3,
+    settle_s: float = 10.0,
 ) -> FloodResult:
-    """Create the three tenants, run both phases, and measure (module docstring)."""
+    """Create the three tenants, run both phases, and measure (module docstring).
+
+    A flooded window in which the load generator stalled for ``max_stall_s`` or more is kept
+    but not reported, and another is measured ``settle_s`` later, up to ``max_windows`` in all:
+    the stall is the client's (or the host's), and says nothing of the gateway."""
     base = base_url.rstrip("/")
     suffix = uuid.uuid4().hex[:6]
     async with httpx.AsyncClient(
@@ -245,35 +306,60 @@ async def flood(
             for _ in range(streams)
             for name in ("w1", "w3")
         ]
-        # A stalled generator stops reading and sending: the weight-3 tenant's shorter queue
-        # runs dry meanwhile, and the window then measures the client, not the gateway.
-        lag = LoopLag()
+        windows: list[Window] = []
         try:
             await asyncio.sleep(warmup_s)  # the flood reaches its steady state first
-            async with Profiler(base, workers) as profiler:
-                lag.start()
-                start = time.perf_counter()
-                occupancy = asyncio.create_task(_sample_occupancy(admin, names))
-                flooded = await light_phase(clients["light"], model, light_rate, duration_s)
-                end = time.perf_counter()
-                await lag.aclose()
-                occupancy.cancel()
-                samples = await occupancy
+            while True:
+                windows.append(
+                    await _window(admin, names, base, workers, clients["light"], model,
+                                  light_rate, duration_s)
+                )  # fmt: skip
+                if windows[-1].longest_stall_s < max_stall_s or len(windows) == max_windows:
+                    break
+                # The streams refill the queues as soon as the generator runs again.
+                await asyncio.sleep(settle_s)
         finally:
             stop.set()
-            await lag.aclose()
         await asyncio.gather(*tasks)  # nothing is cut: every request sent is seen to its end
-        served = {name: load.served_in(start, end) for name, load in heavy.items()}
         for client in clients.values():
             await client.close()
-        profile = dict(profiler.report)
-        for name, (in_flight, queued) in samples.items():
-            profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
-                f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
-            )
-        return FloodResult(
-            unloaded, flooded, heavy, end - start, served, profile, lag.longest_s, lag.late_s()
+        return FloodResult(unloaded, heavy, windows)
+
+
+async def _window(
+    admin: httpx.AsyncClient,
+    names: dict[str, str],
+    base: str,
+    workers: list[str],
+    light: openai.AsyncOpenAI,
+    model: str,
+    light_rate: float,
+    duration_s: float,
+) -> Window:
+    """One light phase under the flood, with the profile, the generator's stalls and the host's
+    pressure over it."""
+    # A stalled generator stops reading and sending: the weight-3 tenant's shorter queue runs
+    # dry meanwhile, and the window then measures the client, not the gateway.
+    lag = LoopLag()
+    async with Profiler(base, workers) as profiler:
+        host_before = host_pressure.sample()
+        lag.start()
+        start = time.perf_counter()
+        occupancy = asyncio.create_task(_sample_occupancy(admin, names))
+        try:
+            flooded = await light_phase(light, model, light_rate, duration_s)
+        finally:
+            end = time.perf_counter()
+            await lag.aclose()
+            occupancy.cancel()
+        samples = await occupancy
+        host = host_pressure.describe(host_before, host_pressure.sample(), end - start)
+    profile = dict(profiler.report)
+    for name, (in_flight, queued) in samples.items():
+        profile[f"heavy {name} in flight / queued (mean of 1 s samples)"] = (
+            f"{statistics.fmean(in_flight or [0]):.1f} / {statistics.fmean(queued or [0]):.1f}"
         )
+    return Window(start, end, flooded, profile, lag.longest_s, lag.late_s(), host)
 
 
 def run_flood(base_url: str, admin_key: str, model: str, **options: Any) -> FloodResult:
@@ -466,10 +552,13 @@ def print_result(result: FloodResult, light_band: str) -> None:
         )
     print(f"light errors: unloaded {result.unloaded.errors or 'none'}, "
           f"flooded {result.flooded.errors or 'none'}")  # fmt: skip
-    print(
-        f"load generator's event loop in the window: longest stall "
-        f"{1000 * result.longest_stall_s:.0f} ms, {result.stalled_s:.1f} s in stalls of 0.1 s+"
-    )
+    for number, window in enumerate(result.windows, start=1):
+        verdict = "measured" if window is result.measured else "discarded"
+        print(
+            f"window {number} ({verdict}, {window.seconds:.0f} s): the load generator's longest "
+            f"event-loop stall {1000 * window.longest_stall_s:.0f} ms, {window.stalled_s:.1f} s "
+            f"in stalls of 0.1 s+; host: {window.host}"
+        )
     print("\nprofile over the measured window:")
     for label, value in result.profile.items():
         print(f"  {label}: {value}")
@@ -488,12 +577,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--duration-s", type=float, default=60.0, help="each measured phase")
     p.add_argument("--warmup-s", type=float, default=20.0, help="flood before measuring")
+    p.add_argument(
+        "--max-windows", type=int, default=3,
+        help="flooded windows to try when the load generator stalls 2 s or more in one",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = p.parse_args(argv)
     result = run_flood(
         args.base_url, args.admin_key, args.model,
         light_band=args.light_band, light_rate=args.light_rate, streams=args.streams,
         output_tokens=args.output_tokens, duration_s=args.duration_s, warmup_s=args.warmup_s,
+        max_windows=args.max_windows,
     )  # fmt: skip
     print_result(result, args.light_band)
     if args.json:
@@ -507,6 +601,7 @@ def main(argv: list[str] | None = None) -> None:
             "flooded_p95_ms": 1000 * percentile(fl, 95),
             "heavy_errors": {name: load.errors for name, load in result.heavy.items()},
             "generator_longest_stall_ms": 1000 * result.longest_stall_s,
+            "windows_discarded": len(result.discarded),
         }
         json.dump(figures, sys.stdout)
         print()

@@ -14,8 +14,11 @@ suite's heap and the OTLP receiver's thread, and once in CI that process stalled
 the window: the gateway saw 11 of the light phase's 40 requests (the phase sends one after each
 1 s sleep), its span exports to the receiver timed out twice, and the ratio came out 1.32 with
 both tenants at 4 in flight (a stalled client stops sending, and the weight-3 tenant's shorter
-queue runs dry first). The generator's stalls are measured and asserted against before the
-ratio, so a failure says which of the two it was.
+queue runs dry first). The next CI run showed it was not that process's: the fresh one stalled
+22.8 s too. So a window in which the generator stalls 2 s or more is discarded and another is
+measured (three in all), each printed with what the host did meanwhile (CPU steal, iowait, the
+kernel's pressure stalls). The measured window's stalls are asserted against before the ratio,
+so a failure says which of the two it was.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ def test_weighted_share_and_isolation_under_a_flood(
     # The weight-3 tenant's ~18 queued requests last it ~16 s of admissions: a stall of 2 s
     # cannot empty its queue, and the window's premise (both tenants backlogged) holds.
     assert result.longest_stall_s < 2.0, (
-        f"the load generator stalled for {result.longest_stall_s:.1f} s ({result.stalled_s:.1f} "
-        "s in all): its tenants were not kept backlogged, so the window says nothing of fairness"
+        f"the load generator stalled for 2 s or more in each of {len(result.windows)} windows "
+        f"(last: {result.longest_stall_s:.1f} s, {result.stalled_s:.1f} s in all): its tenants "
+        "were not kept backlogged, so no window says anything of fairness; the host in each: "
+        + "; ".join(window.host for window in result.windows)
     )
 
     # VTC keeps two backlogged tenants' weighted service within a constant of each other over
