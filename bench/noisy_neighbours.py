@@ -557,7 +557,8 @@ def print_result(result: FloodResult, light_band: str) -> None:
         print(
             f"window {number} ({verdict}, {window.seconds:.0f} s): the load generator's longest "
             f"event-loop stall {1000 * window.longest_stall_s:.0f} ms, {window.stalled_s:.1f} s "
-            f"in stalls of 0.1 s+; host: {window.host}"
+            f"in stalls of 0.1 s+; light ok {len(window.flooded.ttfts_s)}, errors "
+            f"{window.flooded.errors or 'none'}; host: {window.host}"
         )
     print("\nprofile over the measured window:")
     for label, value in result.profile.items():
