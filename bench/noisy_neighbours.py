@@ -23,7 +23,8 @@ in the window are printed too: while it stalls it neither reads nor sends, the h
 queues drain (the weight-3 tenant's first), and the served ratio then describes the client. So a
 window with a stall of 2 s or more is discarded and another measured (``--max-windows`` in all),
 and each window prints what the host did meanwhile (CPU steal, iowait, the kernel's pressure
-stalls: ``bench.host_pressure``), which says whether the stall was this process's or the machine's.
+stalls, this loop's own wait for a CPU: ``bench.host_pressure``), which says whether this process
+was starved, blocked, or stopped with the whole machine.
 
     .venv/bin/python -m bench.noisy_neighbours --admin-key KEY --light-band interactive
 """
