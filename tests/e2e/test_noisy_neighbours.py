@@ -17,8 +17,8 @@ both tenants at 4 in flight (a stalled client stops sending, and the weight-3 te
 queue runs dry first). The next CI run showed it was not that process's: the fresh one stalled
 22.8 s too. So a window in which the generator stalls 2 s or more is discarded and another is
 measured (three in all), each printed with what the host did meanwhile (CPU steal, iowait, the
-kernel's pressure stalls, the generator's own wait for a CPU). The measured window's stalls are asserted against before the ratio,
-so a failure says which of the two it was.
+kernel's pressure stalls, the generator's own wait for a CPU). The measured window's stalls are
+asserted against before the ratio, so a failure says which of the two it was.
 """
 
 from __future__ import annotations
