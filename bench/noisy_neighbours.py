@@ -142,30 +142,10 @@ class FloodResult:
         return self.windows[:-1]
 
     @property
-    def flooded(self) -> LightLoad:
-        return self.measured.flooded
-
-    @property
-    def window_s(self) -> float:
-        return self.measured.seconds
-
-    @property
     def served(self) -> dict[str, float]:
         """Tokens (prompt + 2 x output) each heavy tenant received in the measured window."""
         window = self.measured
         return {name: load.served_in(window.start, window.end) for name, load in self.heavy.items()}
-
-    @property
-    def profile(self) -> dict[str, str]:
-        return self.measured.profile
-
-    @property
-    def longest_stall_s(self) -> float:
-        return self.measured.longest_stall_s
-
-    @property
-    def stalled_s(self) -> float:
-        return self.measured.stalled_s
 
     @property
     def ratio(self) -> float:
@@ -531,7 +511,7 @@ def _role(proc: psutil.Process, me: psutil.Process) -> str | None:
 
 def print_result(result: FloodResult, light_band: str) -> None:
     """The issue-19 table row, the heavy tenants' errors, and the profile."""
-    un, fl = result.unloaded.ttfts_s, result.flooded.ttfts_s
+    un, fl = result.unloaded.ttfts_s, result.measured.flooded.ttfts_s
     print(
         "| light band | w3:w1 served tokens | light TTFT unloaded p50 / p95 "
         "| under the flood p50 / p95 | p95 flooded / unloaded | light ok (unloaded, flood) |"
@@ -548,11 +528,10 @@ def print_result(result: FloodResult, light_band: str) -> None:
     for name, load in result.heavy.items():
         print(
             f"heavy {name}: {len(load.streams)} requests, "
-            f"{result.served[name]:.0f} tokens served in the {result.window_s:.0f} s window, "
-            f"errors {load.errors or 'none'}"
+            f"{result.served[name]:.0f} tokens served in the {result.measured.seconds:.0f} s "
+            f"window, errors {load.errors or 'none'}"
         )
-    print(f"light errors: unloaded {result.unloaded.errors or 'none'}, "
-          f"flooded {result.flooded.errors or 'none'}")  # fmt: skip
+    print(f"light errors unloaded: {result.unloaded.errors or 'none'}")
     for number, window in enumerate(result.windows, start=1):
         verdict = "measured" if window is result.measured else "discarded"
         print(
@@ -562,7 +541,7 @@ def print_result(result: FloodResult, light_band: str) -> None:
             f"{window.flooded.errors or 'none'}; host: {window.host}"
         )
     print("\nprofile over the measured window:")
-    for label, value in result.profile.items():
+    for label, value in result.measured.profile.items():
         print(f"  {label}: {value}")
 
 
@@ -593,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     print_result(result, args.light_band)
     if args.json:
-        un, fl = result.unloaded.ttfts_s, result.flooded.ttfts_s
+        un, fl = result.unloaded.ttfts_s, result.measured.flooded.ttfts_s
         figures = {
             "light_band": args.light_band,
             "ratio": result.ratio,
@@ -602,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
             "flooded_p50_ms": 1000 * statistics.median(fl),
             "flooded_p95_ms": 1000 * percentile(fl, 95),
             "heavy_errors": {name: load.errors for name, load in result.heavy.items()},
-            "generator_longest_stall_ms": 1000 * result.longest_stall_s,
+            "generator_longest_stall_ms": 1000 * result.measured.longest_stall_s,
             "windows_discarded": len(result.discarded),
         }
         json.dump(figures, sys.stdout)

@@ -56,11 +56,12 @@ def test_weighted_share_and_isolation_under_a_flood(
 
     # The weight-3 tenant's ~18 queued requests last it ~16 s of admissions: a stall of 2 s
     # cannot empty its queue, and the window's premise (both tenants backlogged) holds.
-    assert result.longest_stall_s < 2.0, (
+    window = result.measured
+    assert window.longest_stall_s < 2.0, (
         f"the load generator stalled for 2 s or more in each of {len(result.windows)} windows "
-        f"(last: {result.longest_stall_s:.1f} s, {result.stalled_s:.1f} s in all): its tenants "
+        f"(last: {window.longest_stall_s:.1f} s, {window.stalled_s:.1f} s in all): its tenants "
         "were not kept backlogged, so no window says anything of fairness; the host in each: "
-        + "; ".join(window.host for window in result.windows)
+        + "; ".join(each.host for each in result.windows)
     )
 
     # VTC keeps two backlogged tenants' weighted service within a constant of each other over
@@ -72,14 +73,14 @@ def test_weighted_share_and_isolation_under_a_flood(
     one_request = max(s.served_in(float("-inf"), float("inf")) for s in result.heavy["w1"].streams)
     assert abs(w3 / 3 - w1) <= 0.1 * w1 + 2 * one_request, (
         f"weight-3 : weight-1 served tokens {result.ratio:.2f} ({w3:.0f} : {w1:.0f} in a "
-        f"{result.window_s:.1f} s window; one request is {one_request:.0f}); "
-        f"profile: {result.profile}"
+        f"{window.seconds:.1f} s window; one request is {one_request:.0f}); "
+        f"profile: {window.profile}"
     )
     for name, load in result.heavy.items():
         assert not load.errors, f"heavy {name} saw errors: {load.errors}"
     assert not result.unloaded.errors  # and none in any window, the discarded ones' too
-    assert not [window.flooded.errors for window in result.windows if window.flooded.errors]
-    assert result.unloaded.ttfts_s and result.flooded.ttfts_s
+    assert not [each.flooded.errors for each in result.windows if each.flooded.errors]
+    assert result.unloaded.ttfts_s and window.flooded.ttfts_s
 
     ledger = _ledger(live_stack)
     for name, load in result.heavy.items():
