@@ -107,7 +107,9 @@ class Http1Response:
     def __init__(self, connection: _Connection, status: int) -> None:
         self._connection: _Connection | None = connection
         self.status = status
-        self._body: deque[bytes] = deque()
+        # A list, not a deque: an empty deque is 0.75 KiB, held for a stream's whole life; a
+        # cleared list is 56 bytes, and it only ever holds the few reads since the last one.
+        self._body: list[bytes] = []
         self._buffered = 0
         self._complete = False
         self._error: BaseException | None = None
@@ -128,7 +130,7 @@ class Http1Response:
                 await self._waiter
             finally:
                 self._waiter = None
-        data = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
         self._buffered = 0
         if self._connection is not None:

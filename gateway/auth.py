@@ -1,11 +1,16 @@
 """Who is calling: tenant keys on the OpenAI routes, the admin credential on ``/admin``.
 
-Key lookups are cached for ``cache_ttl_s`` (default 0.5 s); for ``refresh_ahead_s`` more (0.4 s)
-a request still gets the cached answer while one background lookup refreshes it, so a key used
-steadily never waits for the store (a lookup is a hop to a store thread or Redis: about a
-millisecond at low load). A revoked key or a changed plan takes effect on every replica within
-0.9 s (at once on the one that made the change), while the store sees at most a couple of
-lookups per key per second. Last-used times are collected in memory and written in batches.
+Key lookups are cached: an answer is served while it is younger than ``cache_ttl_s`` plus
+``refresh_ahead_s`` (0.5 + 0.4 s); past that a request waits for its own lookup. Every
+``cache_ttl_s`` one background task looks up again the keys served since its last round, so a
+key used again within 0.9 s of its last use never waits for the store (a lookup is a hop to a
+store thread or Redis: about a millisecond at low load). The refresh runs on its own clock, not in a
+request's path: started by the request that found its key stale, the lookup's thread took the
+interpreter's lock while that request waited for its first token (0.1 to 0.2 ms of added TTFT
+at one stream, ``docs/ARCHITECTURE.md``, "The hot path"). A revoked key or a changed plan takes
+effect on every replica within 0.9 s (at once on the one that made the change), while the store
+sees at most two lookups per key in use per second. Last-used times are collected in memory and
+written in batches.
 
 Failed authentications are counted per client address (``gateway/auth_throttle.py``): a client
 past its allowance gets 429 ``too_many_auth_failures`` without its key being looked up, unless
@@ -53,6 +58,9 @@ ANONYMOUS = Tenant(
 _MAX_CACHED_KEYS = 100_000
 # While the store is down, a key seen recently keeps working for this long.
 _STALE_GRACE_S = 300.0
+# Lookups a refresh round has under way at once: a round of many keys does not queue them all
+# at the store ahead of a request waiting for a key it has not seen.
+_REFRESH_CONCURRENCY = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +113,22 @@ class Authenticator:
         self._cache: dict[str, _Cached] = {}
         self._last_used: dict[str, float] = {}
         self._fetching: dict[str, asyncio.Future[tuple[ApiKey, Tenant] | None]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._in_use: set[str] = set()
+        """Digests looked up since the last refresh round: the next round refreshes them."""
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._touch_loop(), name="tandem-key-last-used")
+        self._tasks = [
+            asyncio.create_task(self._touch_loop(), name="tandem-key-last-used"),
+            asyncio.create_task(self._refresh_loop(), name="tandem-key-cache-refresh"),
+        ]
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self._flush_last_used()
 
     async def authenticate(self, authorization: str | None) -> Caller:
@@ -217,16 +231,39 @@ class Authenticator:
 
     async def _lookup(self, digest: str) -> tuple[ApiKey, Tenant] | None:
         """The key whose ``hash_key`` digest this is, and its tenant; None for no such key."""
+        self._in_use.add(digest)
         cached = self._cache.get(digest)
-        if cached is not None:
-            age_s = self._clock() - cached.fetched_at
-            if age_s < self._cache_ttl_s:
-                return cached.found
-            if age_s < self._cache_ttl_s + self._refresh_ahead_s:
-                self._fetch_once(digest, cached)  # the next request gets the fresh answer
-                return cached.found
+        if cached is not None and (
+            self._clock() - cached.fetched_at < self._cache_ttl_s + self._refresh_ahead_s
+        ):
+            return cached.found  # the next refresh round looks it up again
         # Shielded: one waiter's client leaving must not cancel the lookup the others share.
         return await asyncio.shield(self._fetch_once(digest, cached))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cache_ttl_s)
+            await self.refresh_in_use()
+
+    async def refresh_in_use(self) -> None:
+        """One refresh round: each known key looked up since the last round is looked up
+        again, ``_REFRESH_CONCURRENCY`` at a time. A lookup that fails leaves its answer to
+        age: a request past its bound then waits for its own lookup, which reports the
+        failure."""
+        in_use, self._in_use = self._in_use, set()
+        # An unknown key's answer ages out instead: a flood of made-up keys is not looked up
+        # twice.
+        due = [
+            digest
+            for digest in in_use
+            if (cached := self._cache.get(digest)) is not None and cached.found is not None
+        ]
+        for start in range(0, len(due), _REFRESH_CONCURRENCY):
+            batch = due[start : start + _REFRESH_CONCURRENCY]
+            await asyncio.gather(
+                *(self._fetch_once(digest, self._cache.get(digest)) for digest in batch),
+                return_exceptions=True,
+            )
 
     def forget(self, *, key_id: str | None = None, tenant_id: str | None = None) -> None:
         """Drop the cached answers of a key, or of every key of a tenant: this gateway's own

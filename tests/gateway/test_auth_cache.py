@@ -1,5 +1,6 @@
-"""The key cache (``gateway/auth.py``): fresh for its TTL, then served while one background
-lookup refreshes it, for a bounded time; past that a request waits for the store.
+"""The key cache (``gateway/auth.py``): an answer is served for a bounded time (TTL plus
+refresh-ahead), the keys in use are looked up again by a refresh round every TTL, and past
+the bound a request waits for the store.
 
 A real SQLite registry and a fake clock: the lookup's timing is the test's, not the machine's.
 """
@@ -14,6 +15,7 @@ import pytest
 
 from admission.plans import Plan
 from admission.registry_sqlite import SqliteTenantRegistry
+from admission.tenants import ApiKey, Tenant, hash_key
 from core.errors import AuthenticationError
 from gateway.auth import Authenticator
 
@@ -75,10 +77,56 @@ async def test_a_revoked_key_is_served_from_the_cache_at_most_until_ttl_plus_ref
     clock.now += TTL_S / 2  # fresh: the cached answer, no lookup
     assert (await auth.authenticate(header)).tenant.name == "acme"
 
-    clock.now += TTL_S / 2 + AHEAD_S / 2  # stale but within the refresh-ahead: still served ...
+    clock.now += TTL_S / 2 + AHEAD_S / 2  # stale but within the refresh-ahead: still served,
     assert (await auth.authenticate(header)).tenant.name == "acme"
-    await _settled()  # ... while one lookup in the background reads the revocation
+    await _settled()  # and no request started a lookup: the refresh rounds do
+    assert (await auth.authenticate(header)).tenant.name == "acme"
+    await auth.refresh_in_use()  # the round reads the revocation
     await _assert_revoked(auth, header)
+
+
+async def test_a_refresh_round_looks_up_only_the_known_keys_used_since_the_last_one(
+    registry: SqliteTenantRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    auth, [(used, used_id), (idle, idle_id)] = await _cached_keys(registry, clock, 2)
+    with pytest.raises(AuthenticationError):
+        await auth.authenticate("Bearer sk-no-such-key")
+    await auth.refresh_in_use()  # the three lookups above were all in use
+    await registry.revoke_key(used_id)
+    await registry.revoke_key(idle_id)
+    looked_up: list[str] = []
+    lookup_key = registry.lookup_key
+
+    async def counted(digest: str) -> tuple[ApiKey, Tenant] | None:
+        looked_up.append(digest)
+        return await lookup_key(digest)
+
+    monkeypatch.setattr(registry, "lookup_key", counted)
+    clock.now += TTL_S / 2
+    assert (await auth.authenticate(used)).tenant.name == "acme"
+    with pytest.raises(AuthenticationError):
+        await auth.authenticate("Bearer sk-no-such-key")  # unknown: cached as unknown
+    await auth.refresh_in_use()
+    assert looked_up == [hash_key(used.removeprefix("Bearer "))]  # not the idle or unknown key
+    await _assert_revoked(auth, used)  # the round's answer is served at once
+    assert (await auth.authenticate(idle)).tenant.name == "acme"  # until it ages out
+
+
+async def test_started_the_refresh_rounds_run_on_their_own(
+    registry: SqliteTenantRegistry,
+) -> None:
+    clock = Clock()
+    auth, [(header, key_id)] = await _cached_keys(registry, clock)
+    await auth.start()
+    try:
+        await registry.revoke_key(key_id)
+        clock.now += TTL_S  # stale: served, and no request looks it up
+        assert (await auth.authenticate(header)).tenant.name == "acme"
+        await asyncio.sleep(2 * TTL_S + 0.2)  # real time: two rounds on the event loop's clock
+        await _assert_revoked(auth, header)
+    finally:
+        await auth.aclose()
 
 
 async def test_past_the_refresh_ahead_a_request_waits_for_the_store(
