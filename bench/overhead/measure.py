@@ -9,7 +9,8 @@ not a percentile of differences: requests are not paired).
 Memory: the server's resident set (process and children) once it is up and idle, and its
 peak while a level's streams are open (sampled every 50 ms); per open stream = (peak - idle) /
 concurrency, an upper bound (whatever the load grew besides the streams, caches and pools,
-counts too).
+counts too). Per added stream = the growth of the peak from the server's level below to this
+one, per stream added: the warm-up's one-time growth is in both peaks, so it is left out.
 
 CPU: the server under test's user + system seconds (process and children) over the measured
 phase only (warm-up excluded), less its idle rate (measured before the load: health polls,
@@ -86,6 +87,18 @@ class LevelResult:
         if self.rss_idle_bytes is None or self.rss_peak_bytes is None:
             return None
         return max(self.rss_peak_bytes - self.rss_idle_bytes, 0) / self.concurrency / 1024
+
+    def kb_per_added_stream(self, lower: LevelResult) -> float | None:
+        """Memory per stream added over ``lower``, the same server's smaller level run just
+        before this one: (this peak - its peak) / the streams added, in KiB. What the warm-up grew
+        once (caches, pools, the allocator's first arenas) is in both peaks, so this is
+        what one more open stream costs; None when either peak is missing."""
+        if self.rss_peak_bytes is None or lower.rss_peak_bytes is None:
+            return None
+        if lower.concurrency >= self.concurrency:
+            raise ValueError("the lower level must have fewer streams")
+        grown = max(self.rss_peak_bytes - lower.rss_peak_bytes, 0)
+        return grown / (self.concurrency - lower.concurrency) / 1024
 
     @property
     def load_cpu_s(self) -> float | None:

@@ -97,19 +97,27 @@ def memory_table(results: Sequence[LevelResult]) -> Table:
     table = Table(
         title="Memory of the server under test (process and children): idle, peak while the "
         "level's streams were open, per open stream = (peak - idle) / concurrency (an upper "
-        "bound) - issue 24: under 50 KB per stream"
+        "bound), per added stream = the peak's growth from the level below / the streams "
+        "added (the warm-up's one-time growth left out) - issue 24: under 50 KB per stream"
     )
-    for name in ("target", "conc", "idle RSS MiB", "peak RSS MiB", "KiB/stream"):
+    columns = ("target", "conc", "idle RSS MiB", "peak RSS MiB", "KiB/stream", "KiB/added")
+    for name in columns:
         table.add_column(name, justify="left" if name == "target" else "right")
+    before: dict[str, LevelResult] = {}  # each target's level run just before, in run order
     for r in results:
         if r.rss_peak_bytes is None:
             continue
+        lower = before.get(r.target)
+        before[r.target] = r
+        if lower is not None and lower.concurrency >= r.concurrency:
+            lower = None  # a peak never comes down: only growth to a larger level says much
         table.add_row(
             r.target,
             str(r.concurrency),
             _f(r.rss_idle_bytes and r.rss_idle_bytes / 2**20, 1),
             _f(r.rss_peak_bytes / 2**20, 1),
             _f(r.kb_per_stream, 1),
+            _f(r.kb_per_added_stream(lower) if lower is not None else None, 1),
         )
     return table
 

@@ -490,6 +490,22 @@ def test_memory_per_open_stream_is_the_growth_over_idle_per_stream() -> None:
     assert grown.to_dict()["kb_per_stream"] == pytest.approx(50.0)
 
 
+def test_memory_per_added_stream_leaves_the_warm_up_out() -> None:
+    records = [record(i, 0.001, [0.02]) for i in range(4)]
+    idle = 100 * 2**20
+    warm_up = 8 * 2**20  # grown once, by the first level
+    low_peak = idle + warm_up + 64 * 40 * 1024
+    low = dataclasses.replace(
+        level(0.1, records), concurrency=64, rss_idle_bytes=idle, rss_peak_bytes=low_peak
+    )
+    high = dataclasses.replace(low, concurrency=512, rss_peak_bytes=low_peak + 448 * 40 * 1024)
+    assert high.kb_per_added_stream(low) == pytest.approx(40.0)
+    assert high.kb_per_stream == pytest.approx(40.0 + 8 * 1024 / 512)  # the upper bound: 56
+    assert dataclasses.replace(low, rss_peak_bytes=None).kb_per_added_stream(low) is None
+    with pytest.raises(ValueError, match="fewer streams"):
+        low.kb_per_added_stream(high)
+
+
 def test_fit_splits_cost_into_per_request_and_per_chunk() -> None:
     # 1 ms per request + 0.1 ms per chunk: 2 chunks -> 1.2 ms, 10 chunks -> 2.0 ms.
     short = level(4 * 1.2e-3, [record(i, 0.001, [0.02]) for i in range(4)])
