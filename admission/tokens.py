@@ -115,13 +115,20 @@ class TokenizerCounter:
 
 class TokenCounters:
     """Each model folder's tokenizer, loaded once and off the event loop: every version counts
-    its prompts with its own (versions may differ in their tokenizers)."""
+    its prompts with its own (versions may differ in their tokenizers).
+
+    A load takes about 90 ms for SmolLM2's tokenizer (its vocabulary, and the chat template
+    measured). The gateway loads a version's before it takes traffic (at start, and as the
+    admin API deploys one: ``load``), so a rollout's candidate is not judged on its first
+    requests waiting for it; a request for a folder not loaded yet waits for the one load
+    under way, never starts another."""
 
     def __init__(self, default: TokenCounter, default_dir: Path | None = None) -> None:
         """``default`` counts for a model without a folder (external workers); it is
         ``default_dir``'s tokenizer, when it has one (not loaded a second time)."""
         self._default = default
         self._by_dir: dict[Path, TokenCounter] = {}
+        self._loading: dict[Path, asyncio.Future[TokenCounter]] = {}
         if default_dir is not None:
             self._by_dir[default_dir] = default
 
@@ -130,17 +137,32 @@ class TokenCounters:
         if model_dir is None:
             return self._default
         counter = self._by_dir.get(model_dir)
-        if counter is None:
-            # Two first requests may both load it: the same tokenizer, one kept.
-            try:
-                loaded = await asyncio.to_thread(TokenizerCounter.for_model, model_dir)
-            except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception
-                # An estimate, not an answer: a tokenizer it cannot read must not fail requests.
-                log.error("cannot read %s/tokenizer.json (%s); counting 4 characters a token",
-                          model_dir, exc)  # fmt: skip
-                loaded = CharCounter()
-            counter = self._by_dir.setdefault(model_dir, loaded)
-        return counter
+        if counter is not None:
+            return counter
+        loading = self._loading.get(model_dir)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(model_dir))
+            self._loading[model_dir] = loading
+        # Shielded: one waiter's client leaving must not cancel the load the others share.
+        return await asyncio.shield(loading)
+
+    async def load(self, model_dir: Path | None) -> None:
+        """Load ``model_dir``'s tokenizer now, if it is not loaded (a version about to be
+        served)."""
+        await self.for_dir(model_dir)
+
+    async def _load(self, model_dir: Path) -> TokenCounter:
+        try:
+            loaded: TokenCounter = await asyncio.to_thread(TokenizerCounter.for_model, model_dir)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            # An estimate, not an answer: a tokenizer it cannot read must not fail requests.
+            log.error("cannot read %s/tokenizer.json (%s); counting 4 characters a token",
+                      model_dir, exc)  # fmt: skip
+            loaded = CharCounter()
+        finally:
+            del self._loading[model_dir]
+        self._by_dir[model_dir] = loaded
+        return loaded
 
 
 class CharCounter:

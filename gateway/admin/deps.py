@@ -18,6 +18,7 @@ from admission.controller import AdmissionController
 from admission.quota import StoreUnavailable
 from admission.registry import TenantRegistry
 from admission.tenants import Tenant
+from admission.tokens import TokenCounters
 from billing.service import Billing
 from core.errors import ConflictError, NotFoundError, StoreUnavailableError
 from gateway.auth import AdminAuth, Caller
@@ -64,6 +65,8 @@ class AdminServices:
     """Prepares and fingerprints a model source (None: registering is not possible here)."""
     deployer: Deployer | None = None
     """Starts and stops versions' workers (None: deployments are fixed at start)."""
+    token_counters: TokenCounters | None = None
+    """The versions' tokenizers: a deployed version's is loaded before it is routed to."""
     billing: Billing | None = None
     """None when billing is switched off."""
     rollouts: RolloutStore | None = None

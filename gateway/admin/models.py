@@ -205,6 +205,8 @@ async def deploy(fields: DeployFields, services: AdminDep, actor: ActorDep) -> d
         raise ConflictError(f"{version.name} is already deployed.", param="version") from exc
     except DeployError as exc:
         raise InvalidRequestError(str(exc), param="version") from exc
+    if services.token_counters is not None:  # not on its first requests' path
+        await services.token_counters.load(deployment.model.tokenizer_dir)
     deployments.add(deployment)
     if services.billing is not None:
         model = deployment.model

@@ -338,6 +338,8 @@ async def assemble(
         await asyncio.to_thread(TokenizerCounter.for_model, access.tokenizer_dir),
         access.tokenizer_dir,  # the first version's folder: its counter is this one
     )
+    for deployment in deployments:  # each version's tokenizer before its first request
+        await counters.load(deployment.model.tokenizer_dir)
     moderator = await asyncio.to_thread(build_moderator, config.moderation)
     await moderator.start()
     resources.push_async_callback(moderator.aclose)
@@ -426,6 +428,7 @@ async def assemble(
         shadow_limiter=shadows.limiter,
         builder=builder,
         deployer=deployer,
+        token_counters=counters,
         billing=billing,
         rollouts=stores.rollouts,
         rollout_reports=config.rollouts.reports_dir,

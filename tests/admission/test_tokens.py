@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from admission.chat_template import GENERIC, ChatTemplate, ChatTemplateCost
 from admission.tokens import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CharCounter,
+    TokenCounter,
     TokenCounters,
     TokenizerCounter,
     estimate_tokens,
@@ -217,3 +219,30 @@ async def test_an_unreadable_tokenizer_falls_back_to_the_character_estimate(
     (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {}}}')  # not a tokenizer
     counter = await TokenCounters(Words()).for_dir(tmp_path)
     assert counter.count("abcdefgh") == 2
+
+
+async def test_first_requests_for_a_folder_share_one_load_and_a_loaded_one_waits_for_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    first, deployed = tmp_path / "first", tmp_path / "deployed"
+    for folder in (first, deployed):
+        folder.mkdir()
+        tokenizer.save(str(folder / "tokenizer.json"))
+    loads: list[Path] = []
+    for_model = TokenizerCounter.for_model
+
+    def counted(model_dir: Path) -> TokenCounter:
+        loads.append(model_dir)
+        return for_model(model_dir)
+
+    monkeypatch.setattr(TokenizerCounter, "for_model", staticmethod(counted))
+    counters = TokenCounters(Words())
+    together = await asyncio.gather(*(counters.for_dir(first) for _ in range(4)))
+    assert loads == [first] and all(counter is together[0] for counter in together)
+
+    await counters.load(deployed)  # as a version is deployed, before its traffic
+    assert loads == [first, deployed]
+    assert (await counters.for_dir(deployed)).count("a b c") == 3
+    assert loads == [first, deployed]  # its requests loaded nothing

@@ -25,6 +25,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
+from admission.tokens import TokenCounter, TokenizerCounter
 from core.messages import WorkerRole
 from core.models import ServedModel
 from gateway.catalog import Catalog
@@ -740,3 +741,34 @@ async def test_each_version_fills_in_its_own_defaults_shadow_copies_too() -> Non
             assert body["temperature"] == 0.25
             assert body["messages"][0] == {"role": "system", "content": "Answer briefly."}
             assert body["messages"][1:] == QUESTION
+
+
+async def test_a_deployed_versions_tokenizer_is_loaded_before_its_first_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its first requests do not wait for it (about 90 ms for SmolLM2's): a rollout's
+    candidate would be judged on that wait."""
+    loads: list[Path] = []
+    for_model = TokenizerCounter.for_model
+
+    def counted(model_dir: Path | None) -> TokenCounter:
+        if model_dir is not None:
+            loads.append(model_dir)
+        return for_model(model_dir)
+
+    monkeypatch.setattr(TokenizerCounter, "for_model", staticmethod(counted))
+    async with make_versions_stack() as stack:
+        started = list(loads)
+        candidate = await stack.add_version(b"v1")
+        assert loads == [*started, stack.folder(b"v1")]  # loaded as it was deployed
+        await stack.set_split((candidate, 100))
+        answers = await asyncio.gather(
+            *(
+                stack.client.chat.completions.create(
+                    model=ALIAS, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=2
+                )
+                for i in range(4)
+            )
+        )
+        assert {answer.model for answer in answers} == {candidate.name}
+        assert loads == [*started, stack.folder(b"v1")]  # its requests loaded nothing
