@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from gateway.assembly.app import RolloutsConfig
+from gateway.cli.serve import tune_garbage_collector
 from rollouts.webhook import SIGNATURE_HEADER, verify
 from tests.gateway.versions_stack import ALIAS, VersionsStack, make_versions_stack
 from tests.http_app import served
@@ -38,6 +40,19 @@ QUICK_GATES = [
     {"kind": "error_rate", "max_ratio": 1.5, "min_samples": 15},
 ]
 SECRET = "whsec-test"
+
+
+@pytest.fixture(autouse=True)
+def collector_as_a_gateway_tunes_it() -> Iterator[None]:
+    """The stack runs in the test session's process, whose heap holds what every test before
+    this one left: a full collection of it stalls the stack's event loop, and a stall inside a
+    candidate's first window (a few samples) reads as a slower candidate. A gateway process
+    freezes its heap as it starts serving (``gateway/cli/serve.py``); so does this test."""
+    threshold = gc.get_threshold()
+    tune_garbage_collector()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 @contextlib.asynccontextmanager
