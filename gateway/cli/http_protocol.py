@@ -194,6 +194,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             # Nothing waits on the cycle's event yet: its task has not started.
             self.cycle.message_event = LeanEvent()
             self.cycle.transport = HeadWithBody(self.cycle, self.transport)  # type: ignore[assignment]
+            # The scope holds the request's headers for the app; the protocol's own reference
+            # (uvicorn keeps it until the next request) would keep them for a stream's whole
+            # life after the response let go of them (gateway/serving/sse.py).
+            self.headers = []
             signal = HangUpSignal()
             extensions: dict[str, Any] = dict(self.scope.get("extensions", {}))
             extensions[HANG_UP_EXTENSION] = signal

@@ -121,6 +121,7 @@ class EventStream(Response):
                     {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
                 )
                 self.raw_headers = []  # sent: not held for the stream's life (about 1.3 KiB)
+                _let_go_of_request_headers(scope)
                 if self._heartbeat_first:
                     await send(_body(HEARTBEAT))
                 self._arm_heartbeat()
@@ -171,6 +172,17 @@ class EventStream(Response):
         if pinging is not None and not pinging.done():
             pinging.cancel()
             await asyncio.wait((pinging,))
+
+
+def _let_go_of_request_headers(scope: Scope) -> None:
+    """The request's headers, emptied where they are (the scope's list, which starlette's
+    ``Request.headers`` reads too): its route read them before the response started, and
+    nothing reads them after. An OpenAI SDK's request carries about fifteen (its
+    ``x-stainless-*`` ones), about 2 KiB held for the stream's whole life otherwise. The
+    gateway's own server keeps no other reference (``gateway/cli/http_protocol.py``)."""
+    headers = scope.get("headers")
+    if isinstance(headers, list):
+        headers.clear()
 
 
 def _body(chunk: bytes) -> Message:

@@ -1,7 +1,8 @@
 """What a request does not keep while its response streams (docs/ARCHITECTURE.md, the memory
 paragraph of the hot path): its raw body once parsed, its prompt once it decodes, an event once
-written, its headers once sent, an event object nobody waits on, a task watching for the hang-up, a connection the
-client reset. Each is a copy per open stream, or a whole connection's objects per reset one.
+written, its response's headers and its own once the response started, an event object nobody
+waits on, a task watching for the hang-up, a connection the client reset. Each is a copy per
+open stream, or a whole connection's objects per reset one.
 
 "Not kept" is read off the garbage collector (the test holds the object in one list of its
 own, and that list must be its only referrer) or, where the object is made inside the code
@@ -146,7 +147,7 @@ async def test_an_event_written_is_not_held_while_the_next_is_awaited() -> None:
     assert kept_nowhere
 
 
-async def test_a_stream_lets_go_of_its_headers_once_sent() -> None:
+async def test_a_stream_lets_go_of_its_and_its_requests_headers_once_sent() -> None:
     sent: list[Message] = []
     next_event = asyncio.Event()
 
@@ -159,10 +160,14 @@ async def test_a_stream_lets_go_of_its_headers_once_sent() -> None:
 
     headers = {f"x-ratelimit-{n}": "1000" for n in range(6)}
     stream = EventStream(events(), headers, 0, _nothing_to_close)
-    streaming = asyncio.create_task(stream({"type": "http"}, _never_leaves, send))
+    request = HttpRequest({"type": "http", "headers": [(b"x-stainless-os", b"Linux")]})
+    assert request.headers["x-stainless-os"] == "Linux"  # read by the route, as it parses
+    streaming = asyncio.create_task(stream(request.scope, _never_leaves, send))
     await wait_until(lambda: len(sent) == 2)  # the start and the first event
     assert (b"x-ratelimit-0", b"1000") in sent[0]["headers"]
     assert stream.raw_headers == []
+    # The request's headers too, in the scope and in the request object's view of them.
+    assert request.scope["headers"] == [] and dict(request.headers) == {}
     next_event.set()
     await streaming
 
@@ -323,6 +328,33 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
             await wait_until(lambda: not protocol.flow.write_paused)
         finally:
             release.set()
+
+
+async def test_on_the_server_a_streams_request_headers_are_held_nowhere_once_it_started() -> None:
+    next_event = asyncio.Event()
+    seen: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'{"choices": []}'
+        await next_event.wait()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append(HttpRequest(scope, receive).headers["x-stainless-os"])  # as a route reads
+        await EventStream(events(), {}, 0, _nothing_to_close)(scope, receive, send)
+
+    async with _gateway_protocol_serving(app) as port:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /s HTTP/1.1\r\nHost: t\r\nX-Stainless-OS: Linux\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"data: "), 5)  # the first event
+            (protocol,) = _live_protocols(port)
+            assert seen == ["Linux"]
+            assert protocol.scope["headers"] == [] and protocol.headers == []
+            writer.close()
+        finally:
+            next_event.set()
 
 
 async def test_an_open_connections_attributes_share_their_keys() -> None:
