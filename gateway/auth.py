@@ -4,10 +4,10 @@ Key lookups are cached: an answer is served while it is younger than ``cache_ttl
 ``refresh_ahead_s`` (0.5 + 0.4 s); past that a request waits for its own lookup. Every
 ``cache_ttl_s`` one background task looks up again the keys served since its last round, so a
 key used again within 0.9 s of its last use never waits for the store (a lookup is a hop to a
-store thread or Redis: about a millisecond at low load). The refresh runs on its own clock, not in a
-request's path: started by the request that found its key stale, the lookup's thread took the
-interpreter's lock while that request waited for its first token (0.1 to 0.2 ms of added TTFT
-at one stream, ``docs/ARCHITECTURE.md``, "The hot path"). A revoked key or a changed plan takes
+store thread or Redis: about a millisecond at low load). The refresh runs on its own clock, not
+in a request's path: started by the request that found its key stale, the lookup's work fell
+inside that request's wait for its first token (0.1 to 0.2 ms of added TTFT at one stream,
+``docs/ARCHITECTURE.md``, "The hot path"). A revoked key or a changed plan takes
 effect on every replica within 0.9 s (at once on the one that made the change), while the store
 sees at most two lookups per key in use per second. Last-used times are collected in memory and
 written in batches.
