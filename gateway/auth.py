@@ -215,11 +215,13 @@ class Authenticator:
     def _starts_lookup(self, digest: str) -> bool:
         """Whether ``_lookup`` of ``digest`` now waits for a fetch this request starts."""
         cached = self._cache.get(digest)
-        if cached is not None and self._clock() - cached.fetched_at < (
-            self._cache_ttl_s + self._refresh_ahead_s
-        ):
+        if cached is not None and self._servable(cached):
             return False
         return digest not in self._fetching
+
+    def _servable(self, cached: _Cached) -> bool:
+        """Whether a cached answer is young enough to serve (TTL plus refresh-ahead)."""
+        return self._clock() - cached.fetched_at < self._cache_ttl_s + self._refresh_ahead_s
 
     async def is_tenant_key(self, token: str) -> bool:
         """Whether ``token`` is a tenant's key (to tell 403 from 401 on the admin API)."""
@@ -233,9 +235,7 @@ class Authenticator:
         """The key whose ``hash_key`` digest this is, and its tenant; None for no such key."""
         self._in_use.add(digest)
         cached = self._cache.get(digest)
-        if cached is not None and (
-            self._clock() - cached.fetched_at < self._cache_ttl_s + self._refresh_ahead_s
-        ):
+        if cached is not None and self._servable(cached):
             return cached.found  # the next refresh round looks it up again
         # Shielded: one waiter's client leaving must not cancel the lookup the others share.
         return await asyncio.shield(self._fetch_once(digest, cached))
