@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import shutil
 import socket
 import tempfile
@@ -21,13 +22,14 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from starlette.types import ASGIApp
 
 from billing.service import BillingConfig
 from core.messages import WorkerRole
 from core.models import ServedModel
 from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
 from gateway.assembly.stores import StoreConfig
-from gateway.cli.http_protocol import limited_httptools
+from gateway.cli.http_protocol import LimitedHttpToolsProtocol, limited_httptools
 from gateway.cli.main import main
 from gateway.limits import RequestLimits
 from gateway.serving.upstream import UpstreamConfig
@@ -86,6 +88,36 @@ async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def gateway_protocol_serving(app: ASGIApp, **options: Any) -> AsyncIterator[int]:
+    """``app`` on a real uvicorn server with the gateway's own HTTP protocol; yields its port."""
+    port = _free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+        http=limited_httptools(RequestLimits()), **options,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started)
+        yield port
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def live_protocols(port: int | None = None) -> list[LimitedHttpToolsProtocol]:
+    """The gateway protocols still alive; with ``port``, only that server's connections
+    (another test's server may still hold some)."""
+    gc.collect()
+    return [
+        item
+        for item in gc.get_objects()
+        if isinstance(item, LimitedHttpToolsProtocol)
+        and (port is None or (item.server is not None and item.server[1] == port))
+    ]
 
 
 @asynccontextmanager

@@ -12,7 +12,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from gateway.cli.http_protocol import HeadWithBody
-from tests.gateway.test_held_memory import _gateway_protocol_serving, _live_protocols
+from tests.gateway.conftest import gateway_protocol_serving, live_protocols
 
 
 class _Recorded:
@@ -95,13 +95,13 @@ async def test_on_the_server_a_waiting_body_leaves_the_head_readable_and_the_tra
         await release.wait()
         await send({"type": "http.response.body", "body": b"late"})
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\n")
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-            (protocol,) = _live_protocols(port)
+            (protocol,) = live_protocols(port)
             assert protocol.cycle.transport is protocol.transport
             release.set()
             rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
@@ -119,7 +119,7 @@ async def test_on_the_server_a_100_continue_still_reaches_a_client_that_waits_fo
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"got " + body})
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
             b"POST /up HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"

@@ -19,23 +19,27 @@ import sys
 import tracemalloc
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
-import uvicorn
 from starlette.requests import Request as HttpRequest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from core.jsonbytes import dumps_to_keep
 from core.request import Request, RequestPhase
-from gateway.cli.http_protocol import LeanEvent, LimitedHttpToolsProtocol, limited_httptools
+from gateway.cli.http_protocol import LeanEvent
 from gateway.limits import RequestLimits, RequestLimitsMiddleware
 from gateway.serving.events import ResponseHead
 from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
 from gateway.serving.routes import _json_body
 from gateway.serving.sse import EventStream
-from tests.gateway.conftest import MODEL, FakeStack, _free_port, wait_until
+from tests.gateway.conftest import (
+    MODEL,
+    FakeStack,
+    gateway_protocol_serving,
+    live_protocols,
+    wait_until,
+)
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]})
 
@@ -201,7 +205,7 @@ async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_respons
             await release.wait()  # a stream the client leaves
         await send({"type": "http.response.body", "body": b"ok"})
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             for _ in range(3):
@@ -209,7 +213,7 @@ async def test_the_servers_hang_up_signal_fires_and_is_not_kept_past_the_respons
                 answer = b""
                 while not answer.endswith(b"\r\n0\r\n\r\n"):
                     answer += await reader.read(4096)
-            (protocol,) = _live_protocols(port)
+            (protocol,) = live_protocols(port)
             assert protocol._conn.hang_ups == []  # three requests answered, none still held
             assert not any(signal.fired for signal in signals)
 
@@ -245,7 +249,7 @@ async def test_a_connection_the_client_resets_is_let_go_at_once() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    async with _gateway_protocol_serving(app, timeout_keep_alive=60) as port:
+    async with gateway_protocol_serving(app, timeout_keep_alive=60) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: tandem\r\n\r\n")
         answer = b""
@@ -297,14 +301,14 @@ async def test_an_open_connection_holds_no_deque_and_still_pipelines_and_drains(
         body = big if scope["path"] == "/big" else scope["path"].encode()
         await send({"type": "http.response.body", "body": body})
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(
                 b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n\r\n"
             )
             await asyncio.wait_for(waiting.wait(), 5)
-            (protocol,) = _live_protocols(port)
+            (protocol,) = live_protocols(port)
             deques = [
                 value
                 for holder in (protocol, protocol.flow, protocol.cycle)
@@ -344,12 +348,12 @@ async def test_on_the_server_a_streams_request_headers_are_held_nowhere_once_it_
         seen.append(HttpRequest(scope, receive).headers["x-stainless-os"])  # as a route reads
         await EventStream(events(), {}, 0, _nothing_to_close)(scope, receive, send)
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /s HTTP/1.1\r\nHost: t\r\nX-Stainless-OS: Linux\r\n\r\n")
             await asyncio.wait_for(reader.readuntil(b"data: "), 5)  # the first event
-            (protocol,) = _live_protocols(port)
+            (protocol,) = live_protocols(port)
             assert seen == ["Linux"]
             assert protocol.scope["headers"] == [] and protocol.headers == []
             writer.close()
@@ -370,50 +374,20 @@ async def test_an_open_connections_attributes_share_their_keys() -> None:
             await release.wait()
             await send({"type": "http.response.body", "body": b"done"})
 
-    async with _gateway_protocol_serving(app) as port:
+    async with gateway_protocol_serving(app) as port:
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
             await asyncio.wait_for(waiting.wait(), 5)
-            (protocol,) = _live_protocols(port)
+            (protocol,) = live_protocols(port)
             assert sys.getsizeof(vars(protocol)) < 512, sorted(vars(protocol))
             writer.close()
         finally:
             release.set()
 
 
-@asynccontextmanager
-async def _gateway_protocol_serving(app: ASGIApp, **options: Any) -> AsyncIterator[int]:
-    """``app`` on a real uvicorn server with the gateway's own HTTP protocol; yields its port."""
-    port = _free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-        http=limited_httptools(RequestLimits()), **options,
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        await wait_until(lambda: server.started)
-        yield port
-    finally:
-        server.should_exit = True
-        await serving
-
-
 def _protocols() -> int:
-    return len(_live_protocols())
-
-
-def _live_protocols(port: int | None = None) -> list[LimitedHttpToolsProtocol]:
-    """The gateway protocols still alive; with ``port``, only that server's connections
-    (another test's server may still hold some)."""
-    gc.collect()
-    return [
-        item
-        for item in gc.get_objects()
-        if isinstance(item, LimitedHttpToolsProtocol)
-        and (port is None or (item.server is not None and item.server[1] == port))
-    ]
+    return len(live_protocols())
 
 
 async def _never_leaves() -> Message:
