@@ -153,6 +153,10 @@ class EngineStream:
                         self._peeking = False
                         yield payload
                     yield payload
+                # A stream spends most of its life waiting for its next read: it holds none of
+                # this one meanwhile (the read, its lines and the last payload, a copy each).
+                data = line = payload = b""
+                lines.clear()
         except ConnectionError as exc:
             raise EngineError(f"decode worker {self._worker.name} broke the stream: {exc}") from exc
         finally:

@@ -1,13 +1,14 @@
 """``EngineClient.open_stream``'s limits on a decode worker's stream (gateway/serving/upstream.py):
 a silence past the idle timeout ends the reads, a deadline ends them, a consumer that reads
 slowly is never taken for a silent worker, an error status whose body never comes is still an
-error, and the first event that ``read_first`` waited for is yielded once. Against a real HTTP
-server that streams SSE on cue."""
+error, the first event that ``read_first`` waited for is yielded once, and a stream waiting for
+its next read holds no copy of the last. Against a real HTTP server that streams SSE on cue."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -176,3 +177,32 @@ async def test_events_without_read_first_yield_each_event_once() -> None:
                 stream.close()
         finally:
             await http.aclose()
+
+
+async def test_a_stream_waiting_for_its_next_read_holds_nothing_of_the_last(
+    client: EngineClient,
+) -> None:
+    # An open stream spends most of its life in that wait: a copy of its last read held there
+    # (the read, its lines, the payload) is memory per open stream (docs/ARCHITECTURE.md).
+    event_bytes = 200_000
+    tracemalloc.start()
+    try:
+        async with _open(client, Script(burst=1, pause_s=None, event_bytes=event_bytes)) as stream:
+            events = stream.events()
+            assert len(await anext(events)) > event_bytes
+            waiting = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.05)  # in the read's wait now (the worker stays silent)
+            assert not waiting.done()
+            held = sum(
+                stat.size
+                for stat in tracemalloc.take_snapshot().statistics("filename")
+                if stat.traceback[0].filename.endswith(
+                    ("gateway/serving/upstream.py", "core/http1.py")
+                )
+            )
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+    finally:
+        tracemalloc.stop()
+    assert held < event_bytes / 4, held
