@@ -29,6 +29,7 @@ import psutil
 from core.messages import WorkerRole
 from kv_transfer.connector import ConnectorConfig, connector_env, kv_transfer_config
 from kv_transfer.nixl_progress import KEEP_BINDING_ENV
+from workers.vllm_busy_wait import PAUSE_ENV as BUSY_WAIT_PAUSE_ENV
 
 logger = logging.getLogger("tandem.workers")
 
@@ -76,6 +77,10 @@ class LaunchConfig:
     (2048 on CPU). A step runs every running stream's next token plus chunks of new prompts, so
     this bounds how long one prompt's prefill can hold up every stream's next token and a
     newcomer's first one; smaller trades prefill throughput for steadier latency."""
+    busy_wait_pause_us: int = 100
+    """How the worker's vLLM processes wait for each other's next message in the second after
+    the last one: sleeping this many µs between looks rather than spinning (0: vLLM's spin;
+    ``workers/vllm_busy_wait.py``)."""
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     """KV connector settings, turned into ``--kv-transfer-config`` per role."""
     otlp_traces_endpoint: str | None = None
@@ -207,6 +212,8 @@ def worker_env(spec: WorkerSpec) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(spec.launch.kv_cache_gib),
         **connector_env(spec.launch.connector, spec.launch.host, spec.side_channel_port),
     }
+    if spec.launch.busy_wait_pause_us:
+        env[BUSY_WAIT_PAUSE_ENV] = str(spec.launch.busy_wait_pause_us)
     if THP_ENV not in os.environ:  # an operator's own choice stands
         env[THP_ENV] = "1"
     if spec.cpu_bind is not None:

@@ -85,6 +85,10 @@ class TandemSettings(BaseSettings):
     """NIXL side-channel port of the first managed worker; each worker gets its own."""
     cpu_binding: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["0", "1"])
     """OpenMP thread binding per managed worker (prefill ones first), e.g. ``0`` and ``1``."""
+    worker_busy_wait_pause_us: int = Field(100, ge=0, le=100_000)
+    """How a managed worker's vLLM processes wait for each other's next message in the second
+    after the last one: sleeping this many µs between looks instead of spinning, so the one
+    waited for gets the core (``workers/vllm_busy_wait.py``); 0 keeps vLLM's spin."""
     kv_cache_gib: int = Field(1, ge=1)
     """KV cache per CPU worker, in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``)."""
     kv_block_size: int = Field(128, ge=1)

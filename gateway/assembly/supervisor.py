@@ -391,6 +391,7 @@ class Supervisor:
             host=settings.worker_host,
             max_model_len=settings.max_model_len,
             kv_cache_gib=settings.kv_cache_gib,
+            busy_wait_pause_us=settings.worker_busy_wait_pause_us,
             block_size=settings.kv_block_size,
             enforce_eager=settings.enforce_eager,
             dtype=version.manifest.dtype,

@@ -33,6 +33,7 @@ from workers.process import (
     worker_argv,
     worker_env,
 )
+from workers.vllm_busy_wait import PAUSE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = (sys.executable, str(Path(__file__).with_name("fake_worker.py")))
@@ -199,6 +200,16 @@ def test_workers_ask_torch_for_huge_pages_unless_the_environment_chose(
     assert worker_env(spec)[THP_ENV] == "1"
     monkeypatch.setenv(THP_ENV, "0")
     assert THP_ENV not in worker_env(spec)  # the inherited "0" reaches the worker as it is
+
+
+def test_workers_wait_for_their_next_message_sleeping_unless_set_to_spin() -> None:
+    def spec(**launch: int) -> WorkerSpec:
+        config = LaunchConfig(model_path=Path("m"), served_model_name="m", **launch)
+        return WorkerSpec("decode-0", WorkerRole.DECODE, port=1, side_channel_port=2, launch=config)
+
+    assert worker_env(spec())[PAUSE_ENV] == "100"
+    assert worker_env(spec(busy_wait_pause_us=250))[PAUSE_ENV] == "250"
+    assert PAUSE_ENV not in worker_env(spec(busy_wait_pause_us=0))  # vLLM's own spin
 
 
 async def test_start_ready_aclose_leaves_no_process(tmp_path: Path) -> None:
