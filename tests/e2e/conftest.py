@@ -86,6 +86,19 @@ def traced_stream(live_stack: LiveStack, trace_id: str, parent_span: str) -> set
     return {chunk.id for chunk in stream}
 
 
+def counting_stream(
+    client: openai.OpenAI, live_stack: LiveStack, max_tokens: int
+) -> openai.Stream[Any]:
+    """A chat stream that only ``max_tokens`` or an abort ends (vLLM's ``ignore_eos``)."""
+    return client.chat.completions.create(
+        model=live_stack.model,
+        messages=[{"role": "user", "content": "Count from one to five hundred in words."}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+
+
 def ledger_rows(live_stack: LiveStack, tenant: str | None = None) -> list[dict[str, str]]:
     """The ledger's per-request rows of this session (of ``tenant`` only, if given), in the
     store's order; the export flushes pending records first."""

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kv_transfer.nixl_progress import NICE_ENV, thread_ids
-from tests.e2e.conftest import LiveStack, model_processes, server_env
+from tests.e2e.conftest import LiveStack, counting_stream, model_processes, server_env
 from workers.vllm_busy_wait import PAUSE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -58,35 +58,28 @@ def _seconds_on_a_cpu(pid: int) -> float:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def test_a_decoding_engine_sleeps_while_its_model_steps(live_stack: LiveStack) -> None:
+def test_a_decoding_engine_sleeps_while_its_model_steps(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
     # vLLM's engine process waits for each step's output from the model's process; its own
     # wait spun (measured: 0.95 of a core, beside the model's 0.95), the plugin's sleeps.
     workers = model_processes(live_stack)
     assert all(server_env(worker, PAUSE_ENV) == "100" for worker in workers)
     engines = [worker.parent() for worker in workers]
     assert all(engine is not None and engine.name() == "VLLM::EngineCore" for engine in engines)
-    with openai.OpenAI(
-        base_url=f"{live_stack.base_url}/v1", api_key=live_stack.api_key, max_retries=0
-    ) as client:
-        stream = client.chat.completions.create(
-            model=live_stack.model,
-            messages=[{"role": "user", "content": "Count from one to five hundred in words."}],
-            max_tokens=80,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        tokens, started, before = 0, 0.0, {}
-        for chunk in stream:
-            if not (chunk.choices and chunk.choices[0].delta.content):
-                continue
-            tokens += 1
-            if tokens == 5:  # decoding: the prompt's prefill and the hand-off are behind
-                started = time.monotonic()
-                before = {engine.pid: _seconds_on_a_cpu(engine.pid) for engine in engines}
-            if tokens == 60:
-                break
-        elapsed = time.monotonic() - started
-        shares = {pid: (_seconds_on_a_cpu(pid) - ran) / elapsed for pid, ran in before.items()}
-        stream.close()
+    stream = counting_stream(client, live_stack, 80)
+    tokens, started, before = 0, 0.0, {}
+    for chunk in stream:
+        if not (chunk.choices and chunk.choices[0].delta.content):
+            continue
+        tokens += 1
+        if tokens == 5:  # decoding: the prompt's prefill and the hand-off are behind
+            started = time.monotonic()
+            before = {engine.pid: _seconds_on_a_cpu(engine.pid) for engine in engines}
+        if tokens == 60:
+            break
+    elapsed = time.monotonic() - started
+    shares = {pid: (_seconds_on_a_cpu(pid) - ran) / elapsed for pid, ran in before.items()}
+    stream.close()
     assert tokens == 60 and elapsed > 0.5, (tokens, elapsed)
     assert all(share < 0.5 for share in shares.values()), shares

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import LiveStack, worker_gauge
+from tests.e2e.conftest import LiveStack, counting_stream, worker_gauge
 
 pytestmark = pytest.mark.e2e
 
@@ -28,22 +28,15 @@ def _wait_for(condition: object, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_client_leaving_mid_stream_stops_the_decode_worker(live_stack: LiveStack) -> None:
-    with openai.OpenAI(
-        base_url=f"{live_stack.base_url}/v1", api_key=live_stack.api_key, max_retries=0
-    ) as client:
-        stream = client.chat.completions.create(
-            model=live_stack.model,
-            messages=[{"role": "user", "content": "Count from one to five hundred in words."}],
-            max_tokens=800,
-            stream=True,
-            extra_body={"ignore_eos": True},  # vLLM: keep generating, so only an abort stops it
-        )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                break
-        _wait_for(lambda: num_running(live_stack.decode_url) >= 1, 30, "decode is generating")
-        stream.close()  # the client hangs up
+def test_a_client_leaving_mid_stream_stops_the_decode_worker(
+    client: openai.OpenAI, live_stack: LiveStack
+) -> None:
+    stream = counting_stream(client, live_stack, 800)  # only an abort stops it soon
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    _wait_for(lambda: num_running(live_stack.decode_url) >= 1, 30, "decode is generating")
+    stream.close()  # the client hangs up
     # 800 tokens would take far longer than this on CPU; only the abort ends it this soon.
     _wait_for(lambda: num_running(live_stack.decode_url) == 0, 15, "decode still generating")
 
