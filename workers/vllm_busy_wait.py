@@ -5,10 +5,11 @@ queues (``vllm/distributed/device_communicators/shm_broadcast.py``). A reader th
 message calls ``SpinCondition.wait``, which for a second after its last message spins
 (``sched_yield`` and look again), and only then sleeps on a ZeroMQ notification. While one
 process spins, the other one works: the engine process spins through the model's whole step,
-the model's process between steps. On a host where a worker is pinned to one core, all of them
-share it, and a spinning reader takes its turns from the work it waits for: measured with
-``perf sched`` on the 2-core host, the decode engine's spin took 2.5 of the 10 ms the model's
-thread spent reading a 1k-token prompt's KV (docs/ARCHITECTURE.md, KV transport).
+the model's process between steps. A spinning reader is runnable whenever the scheduler looks,
+so it takes a core's turns from whatever shares it: on the 2-core host, while a stream decoded,
+the decode engine's main thread ran 0.90-0.95 of a core beside its model's 0.95, i.e. it held
+the other core, the prefill worker's. Sleeping, it runs 0.12-0.14 of a core, and a 1k-token
+prompt's KV read took 11.5 ms instead of 18.9 (docs/ARCHITECTURE.md, "vLLM's busy second").
 
 Where Tandem asks (``PAUSE_ENV``, set on the workers it starts by ``workers.process``), a reader
 in that busy second sleeps that many microseconds instead, then looks again: the core goes to
