@@ -15,8 +15,8 @@ Where Tandem asks (``PAUSE_ENV``, set on the workers it starts by ``workers.proc
 in that busy second sleeps that many microseconds instead, then looks again: the core goes to
 the process being waited for, and a message is seen at most one pause (plus the timer's slack)
 after it was written: a step's two hand-overs may each wait that long (a decode stream's
-inter-token time moved by under 2 % at 100 µs). Past the second, vLLM's own idle wait is unchanged (a ZeroMQ notification
-wakes it), so an idle worker costs what it did.
+inter-token time moved by under 2 % at 100 µs). Past the second, vLLM's own idle wait is
+unchanged (a ZeroMQ notification wakes it), so an idle worker costs what it did.
 
 vLLM loads ``register`` in each of its processes through the ``vllm.general_plugins`` entry
 point (``pyproject.toml``); vLLM is looked up by name, never imported here (the import
