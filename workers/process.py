@@ -29,6 +29,7 @@ import psutil
 from core.messages import WorkerRole
 from kv_transfer.connector import ConnectorConfig, connector_env, kv_transfer_config
 from kv_transfer.nixl_progress import KEEP_BINDING_ENV
+from workers.vllm_busy_wait import DEFAULT_PAUSE_US
 from workers.vllm_busy_wait import PAUSE_ENV as BUSY_WAIT_PAUSE_ENV
 
 logger = logging.getLogger("tandem.workers")
@@ -77,7 +78,7 @@ class LaunchConfig:
     (2048 on CPU). A step runs every running stream's next token plus chunks of new prompts, so
     this bounds how long one prompt's prefill can hold up every stream's next token and a
     newcomer's first one; smaller trades prefill throughput for steadier latency."""
-    busy_wait_pause_us: int = 100
+    busy_wait_pause_us: int = DEFAULT_PAUSE_US
     """How the worker's vLLM processes wait for each other's next message in the second after
     the last one: sleeping this many µs between looks rather than spinning (0: vLLM's spin;
     ``workers/vllm_busy_wait.py``)."""

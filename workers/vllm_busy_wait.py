@@ -37,6 +37,8 @@ from typing import Any
 PAUSE_ENV = "TANDEM_VLLM_BUSY_WAIT_PAUSE_US"
 """Microseconds a reader sleeps between looks in its busy second; unset or 0 leaves vLLM's
 spin."""
+DEFAULT_PAUSE_US = 100
+"""What ``tandem up`` gives its workers (the setting ``worker_busy_wait_pause_us``)."""
 MAX_PAUSE_US = 100_000
 """A longer pause would make every step of the engine wait for it."""
 _SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from gateway.catalog import WorkerUrl
 from gateway.client_address import parse_trusted_proxies
 from kv_transfer.connector import DEFAULT_KV_LEASE_S, ConnectorConfig
+from workers.vllm_busy_wait import DEFAULT_PAUSE_US, MAX_PAUSE_US
 
 
 class RemoteModerationSettings(BaseModel):
@@ -85,7 +86,7 @@ class TandemSettings(BaseSettings):
     """NIXL side-channel port of the first managed worker; each worker gets its own."""
     cpu_binding: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["0", "1"])
     """OpenMP thread binding per managed worker (prefill ones first), e.g. ``0`` and ``1``."""
-    worker_busy_wait_pause_us: int = Field(100, ge=0, le=100_000)
+    worker_busy_wait_pause_us: int = Field(DEFAULT_PAUSE_US, ge=0, le=MAX_PAUSE_US)
     """How a managed worker's vLLM processes wait for each other's next message in the second
     after the last one: sleeping this many µs between looks instead of spinning, so the one
     waited for gets the core (``workers/vllm_busy_wait.py``); 0 keeps vLLM's spin."""
