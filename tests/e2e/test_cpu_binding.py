@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.host_pressure import parse_schedstat
 from kv_transfer.nixl_progress import NICE_ENV, thread_ids
 from tests.e2e.conftest import LiveStack, counting_stream, model_processes, server_env
 from workers.vllm_busy_wait import PAUSE_ENV
@@ -54,8 +55,8 @@ def test_nixl_threads_yield_the_core_to_the_model_thread(live_stack: LiveStack) 
 
 
 def _seconds_on_a_cpu(pid: int) -> float:
-    """How long the process's main thread has run (``/proc/<pid>/schedstat``, in ns)."""
-    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+    """How long the process's main thread has run (``/proc/<pid>/schedstat``)."""
+    return parse_schedstat(Path(f"/proc/{pid}/schedstat").read_text()).ran_s
 
 
 def test_a_decoding_engine_sleeps_while_its_model_steps(
