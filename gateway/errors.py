@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -12,6 +15,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Receive, Scope
 
 from core.errors import InvalidRequestError, TandemError
 
@@ -101,3 +105,34 @@ def _allowed_methods(request: Request) -> list[str]:
         if route.matches(request.scope)[0] is not Match.NONE:
             methods |= getattr(route, "methods", None) or set()
     return sorted(methods)
+
+
+ExceptionHandler = Callable[[Request, Exception], Awaitable[Response] | Response]
+
+
+def handler_for(scope: Scope, exc: Exception) -> ExceptionHandler | None:
+    """The handler the scope's app registered for ``exc`` (by status code for an HTTP
+    exception, else by the nearest class in its MRO), as starlette's ``ExceptionMiddleware``
+    picks it; None for one only the catch-all handles (``Exception``, 500), which stays the
+    outermost middleware's, as in any starlette app."""
+    handlers: dict[Any, ExceptionHandler] = getattr(scope.get("app"), "exception_handlers", {})
+    if isinstance(exc, StarletteHTTPException) and (by_status := handlers.get(exc.status_code)):
+        return by_status
+    for kind in type(exc).__mro__:
+        if kind is Exception:
+            return None
+        if (handler := handlers.get(kind)) is not None:
+            return handler
+    return None
+
+
+async def handled_response(exc: Exception, scope: Scope, receive: Receive) -> Response | None:
+    """The response the app's handler for ``exc`` gives, for code that serves a request past
+    starlette's ``ExceptionMiddleware`` (``gateway/serving/routes.py``'s raw routes, a stream
+    that fails before it commits); None when only the catch-all handles it: the caller raises
+    it again, and the outermost middleware answers the bug with a 500 and logs it."""
+    handler = handler_for(scope, exc)
+    if handler is None:
+        return None
+    handled = handler(Request(scope, receive), exc)
+    return await handled if inspect.isawaitable(handled) else handled

@@ -109,11 +109,11 @@ def install() -> None:
     _around_async(gate.Gate, "admit", "admit_start", "admit_end")
     _around_async(upstream.EngineClient, "open_stream", "engine_call", "engine_first_chunk")
     _around_async(events.LiveStream, "open_stream", None, "stream_opened")
+    # The response opens its stream first (gateway/serving/sse.py), then starts.
+    _around_async(sse.EventStream, "_start", "response_start", None)
     respond = sse.EventStream.__call__
 
     async def response(self: sse.EventStream, scope: Any, receive: Any, send: Any) -> None:
-        _mark("response_start")
-
         async def sending(message: MutableMapping[str, Any]) -> None:
             await send(message)
             if message["type"] == "http.response.body" and message["body"].startswith(b"data"):

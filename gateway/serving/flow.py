@@ -199,7 +199,7 @@ class RequestFlow:
             # An idempotent request runs to the end whatever its client does: its retry gets it.
             run = self.run(request, caller, head, output_filter, None, trace)
             if request.stream:
-                return Streaming(s.idempotency.stream(claim, request, run, head))
+                return Streaming(s.idempotency.stream(claim, request, run, head, client_gone))
             return Answered(await s.idempotency.complete(claim, request, run), head.headers)
         run = self.run(request, caller, head, output_filter, client_gone, trace)
         if request.stream:
@@ -217,9 +217,9 @@ class RequestFlow:
     ) -> Run:
         """Admit, route, run the legs and relay; end, settle and bill (module docstring).
 
-        With ``client_gone``, a hang-up while queued leaves the queue, and one during a
-        non-streaming answer aborts the engine call; ``None`` runs it to the end. The
-        request's trace ends here too, after its bill."""
+        With ``client_gone``, a hang-up while queued leaves the queue, and one before the
+        first token (or a non-streaming answer) aborts the engine call; ``None`` runs it to
+        the end. The request's trace ends here too, after its bill."""
         s = self._s
         admission: Admission | None = None
         recorder = UsageRecorder(s.billing, request) if s.billing is not None else None
@@ -347,11 +347,12 @@ class RequestFlow:
                     handle = await router.prefill(request, route.prefill, trace)
                 return await router.decode(request, route, handle, trace)
 
-        if request.stream or client_gone is None:
+        if client_gone is None:
             return await legs()
-        # Nobody reads the error if the client left; it is for logs and counters.
+        # A stream hears its client leave before the first token from here, as its response
+        # opens it (gateway/serving/sse.py). Nobody reads the error; it is for the logs.
         return await unless_client_leaves(
-            legs(), client_gone, "The client closed the connection before the answer."
+            legs(), client_gone, f"The client closed the connection {what}."
         )
 
     async def _answer(

@@ -43,6 +43,7 @@ from core.jsonbytes import dumps_to_keep
 from core.messages import Endpoint
 from core.request import Request
 from gateway.serving.events import ResponseHead, Run, StreamEnd, answer_of
+from gateway.serving.hangup import ClientGone, unless_client_leaves
 from gateway.serving.replay import StreamAssembler, rechunk
 from gateway.serving.sse import EventStream
 
@@ -130,10 +131,16 @@ class IdempotentRuns:
         await self._store.release(key.scope, key.token)
 
     def stream(
-        self, key: IdempotentKey, request: Request, run: Run, head: ResponseHead
+        self,
+        key: IdempotentKey,
+        request: Request,
+        run: Run,
+        head: ResponseHead,
+        client_gone: ClientGone,
     ) -> TeeSource:
-        """Start a streaming request in the background; the response reads it live."""
-        tee = TeeSource(head, StreamAssembler(request.endpoint))
+        """Start a streaming request in the background; the response reads it live, until
+        ``client_gone``."""
+        tee = TeeSource(head, StreamAssembler(request.endpoint), client_gone)
         task = asyncio.create_task(self._run_stream(key, request, run, tee))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -217,9 +224,12 @@ class IdempotentRuns:
 class TeeSource:
     """The live side of a background idempotent stream; leaving it does not stop the run."""
 
-    def __init__(self, head: ResponseHead, assembler: StreamAssembler) -> None:
+    def __init__(
+        self, head: ResponseHead, assembler: StreamAssembler, client_gone: ClientGone
+    ) -> None:
         self.headers = head.headers
         self._head = head
+        self._client_gone = client_gone
         self.assembler = assembler
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Read even when the client already left, so a failure is not reported as unread.
@@ -231,7 +241,12 @@ class TeeSource:
             self._queue.put_nowait(payload)
 
     async def open_stream(self) -> None:
-        await asyncio.shield(self.opened)
+        # The client stops waiting, the run goes on.
+        await unless_client_leaves(
+            asyncio.shield(self.opened),
+            self._client_gone,
+            "The client closed the connection before the first token.",
+        )
 
     async def quota_answered(self) -> None:
         await self._head.quota_answered()

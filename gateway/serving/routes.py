@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -14,7 +13,6 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
 from starlette.routing import Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,10 +21,10 @@ from admission.idempotency import fingerprint, parse_idempotency_key
 from core.errors import InvalidRequestError
 from core.messages import Endpoint
 from core.models import ServedModel
-from gateway.errors import invalid_request_from_validation
+from gateway.errors import handled_response, invalid_request_from_validation
 from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
 from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
-from gateway.serving.hangup import ClientGone, client_gone_of
+from gateway.serving.hangup import client_gone_of
 from gateway.serving.idempotent import replay_response
 from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving.sse import serve_stream
@@ -60,9 +58,9 @@ class RawRoute(APIRoute):
     """A route whose endpoint takes the raw request and returns its response, served without
     FastAPI's per-request machinery: no dependency resolution, no exit stacks, no route-level
     exception wrapper around the response and each of its sends. The app's exception handlers
-    answer the endpoint's errors (``handler_for``: the app's ``ExceptionMiddleware`` would,
-    but ``HotRoutes`` may bring the request here past it), and it stays an ``APIRoute``:
-    matched in its place, and in the OpenAPI document as before.
+    answer the endpoint's errors (``gateway.errors.handled_response``: the app's
+    ``ExceptionMiddleware`` would, but ``HotRoutes`` may bring the request here past it), and
+    it stays an ``APIRoute``: matched in its place, and in the OpenAPI document as before.
 
     For the two hot routes: from the head parsed to the route's entry went from 0.37 to 0.27
     ms at one stream (``bench.overhead.ttft_steps``), and each open stream holds 6 KiB less."""
@@ -76,49 +74,28 @@ class RawRoute(APIRoute):
 
 def _raw_app(endpoint: Callable[[HttpRequest], Awaitable[Response]]) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        http_request = HttpRequest(scope, receive, send)
         try:
-            response = await endpoint(http_request)
+            response = await endpoint(HttpRequest(scope, receive, send))
         except Exception as exc:
-            handler = handler_for(scope, exc)
-            if handler is None:
-                raise  # the app's catch-all answers it (a 500 in OpenAI's shape) and logs it
-            handled = handler(http_request, exc)
-            response = await handled if inspect.isawaitable(handled) else handled
+            if (handled := await handled_response(exc, scope, receive)) is None:
+                raise
+            response = handled
         await response(scope, receive, send)
 
     return app
-
-
-ExceptionHandler = Callable[[HttpRequest, Exception], Awaitable[Response] | Response]
-
-
-def handler_for(scope: Scope, exc: Exception) -> ExceptionHandler | None:
-    """The handler the scope's app registered for ``exc`` (by status code for an HTTP
-    exception, else by the nearest class in its MRO), as starlette's ``ExceptionMiddleware``
-    picks it; None for one only the catch-all handles (``Exception``, 500), which stays the
-    outermost middleware's, as in any starlette app."""
-    handlers: dict[Any, ExceptionHandler] = getattr(scope.get("app"), "exception_handlers", {})
-    if isinstance(exc, HTTPException) and (by_status := handlers.get(exc.status_code)):
-        return by_status
-    for kind in type(exc).__mro__:
-        if kind is Exception:
-            return None
-        if (handler := handlers.get(kind)) is not None:
-            return handler
-    return None
 
 
 class HotRoutes:
     """ASGI middleware, the app's innermost: a ``POST`` to one of the router's ``RawRoute``s
     goes straight to it, past the layers starlette and FastAPI put under the app's own
     middleware. Those layers do nothing a raw route uses: the exception middleware's handlers
-    are the route's own (``handler_for``), FastAPI's exit stack is for files uploaded to its
-    other routes, and the router would find the same route. Each layer cost every request a
-    coroutine, and the exception middleware a ``Request`` and a wrapper around every send:
-    32.5 -> 29.2 KiB of objects held per open stream (``bench.overhead.memory_sites``), 59.2
-    -> 55.5 KiB of RSS a stream at 512 streams, and 0.16 -> 0.13 ms from the head parsed to
-    the route's entry at one stream (``bench.overhead.ttft_steps``; three runs alternated).
+    are the route's own (``gateway.errors.handled_response``), FastAPI's exit stack is for
+    files uploaded to its other routes, and the router would find the same route. Each layer
+    cost every request a coroutine, and the exception middleware a ``Request`` and a wrapper
+    around every send: 32.5 -> 29.2 KiB of objects held per open stream
+    (``bench.overhead.memory_sites``), 59.2 -> 55.5 KiB of RSS a stream at 512 streams, and
+    0.16 -> 0.13 ms from the head parsed to the route's entry at one stream
+    (``bench.overhead.ttft_steps``; three runs alternated).
 
     The scope gets what the router would have put in it (the route, its endpoint, no path
     parameters). Anything else (another method, a path under a ``root_path``, every other
@@ -256,18 +233,15 @@ async def _serve(
         raise
     if isinstance(outcome, Replayed):
         trace.end()
-    return await _render(
-        outcome, request.stream, request.include_usage, endpoint, services, client_gone
-    )
+    return _render(outcome, request.stream, request.include_usage, endpoint, services)
 
 
-async def _render(
+def _render(
     outcome: Outcome,
     stream: bool,
     include_usage: bool,
     endpoint: Endpoint,
     services: ServingServices,
-    client_gone: ClientGone,
 ) -> Response:
     if isinstance(outcome, Replayed):
         return replay_response(outcome.stored, endpoint, stream, include_usage)
@@ -275,7 +249,7 @@ async def _render(
         return Response(
             orjson.dumps(outcome.body), media_type="application/json", headers=outcome.headers
         )
-    return await serve_stream(outcome.source, services.ping_interval_s, client_gone)
+    return serve_stream(outcome.source, services.ping_interval_s)
 
 
 async def _json_body(http_request: HttpRequest) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Data-only SSE for the OpenAI SDKs, started early enough that no client or proxy times out.
 
-A stream's HTTP status and headers are decided by when it commits. ``serve_stream`` waits up
+A stream's HTTP status and headers are decided by when it commits. Its response waits up
 to one heartbeat interval for the request to be admitted and its first token to arrive: errors
 in that window are real HTTP statuses (429, 503, ... which the SDKs retry). A request still
 queued or prefilling after it commits to ``200 text/event-stream`` and sends ``: ping``
@@ -28,13 +28,9 @@ import orjson
 from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from core.errors import TandemError
-from gateway.serving.hangup import (
-    ClientGone,
-    HangUpCancels,
-    client_gone_of,
-    unless_client_leaves,
-)
+from core.errors import ClientDisconnectedError, TandemError
+from gateway.errors import handled_response
+from gateway.serving.hangup import HangUpCancels, client_gone_of
 
 log = logging.getLogger("tandem.requests")
 
@@ -53,7 +49,11 @@ class StreamSource(Protocol):
 
     headers: dict[str, str]
 
-    async def open_stream(self) -> None: ...
+    async def open_stream(self) -> None:
+        """Returns once the stream may start (admitted, its first token ready), or raises the
+        error its client gets. It watches for its client leaving meanwhile: a hang-up raises
+        ``ClientDisconnectedError`` and aborts what the request was waiting for."""
+        ...
 
     async def quota_answered(self) -> None:
         """Returns once ``headers`` hold the quota's answer (or admission ended otherwise)."""
@@ -83,48 +83,119 @@ class EventStream(Response):
     server's signal, or a watcher task per response), which ends ``events`` where it is
     suspended (the request is aborted, as a client that leaves must see). ``on_close`` is
     awaited however the response ends, even if the client left before the first event (then
-    ``events`` never ran, so its own cleanup could not). ``heartbeat_first`` sends one
-    heartbeat with the headers: a stream committed before its first token says at once that
-    it is alive.
+    ``events`` never ran, so its own cleanup could not). Built by ``serve_stream``, it first
+    opens its source in the same task and commits as that module's docstring says.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
-        events: AsyncIterator[bytes],
+        events: AsyncIterator[bytes] | None,
         headers: Mapping[str, str],
         ping_interval_s: float,
         on_close: Callable[[], Awaitable[None]],
         *,
-        heartbeat_first: bool = False,
+        source: StreamSource | None = None,
     ) -> None:
+        """``events`` is None with a ``source``: its events once it opened. ``headers`` are
+        read when the response commits (a source's grow while it opens)."""
         self.status_code = 200
         self.background = None
-        self.init_headers({**_HEADERS, **headers})
+        self.raw_headers = []
+        self._committed_headers = headers
         self._events = events
+        self._source = source
         self._ping_interval_s = ping_interval_s
         self._on_close = on_close
-        self._heartbeat_first = heartbeat_first
+        self._started = False
         self._streaming = False
         self._send: Send | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._pinging: asyncio.Task[None] | None = None
+        self._committing: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
-        self._streaming = True
+        try:
+            if self._source is not None:
+                try:
+                    await self._open(self._source, scope)
+                except Exception as exc:
+                    if not self._started:  # nothing sent: the error is the response's status
+                        if (handled := await handled_response(exc, scope, receive)) is None:
+                            raise
+                        await handled(scope, receive, send)
+                        return
+                    if isinstance(exc, ClientDisconnectedError):
+                        return  # nobody is left to read an error event
+                    raise
+            await self._stream(scope, receive)
+        finally:
+            await self._stop_streaming()
+            try:
+                if self._events is not None:
+                    await _aclose(self._events)
+            finally:
+                await self._on_close()
+
+    async def _open(self, source: StreamSource, scope: Scope) -> None:
+        """Wait for ``source`` to open, in this task. Past one heartbeat interval a task
+        commits the response (once the quota answered) with a heartbeat, and heartbeats go on
+        while the source opens; an error after that commit becomes the stream's one event.
+        The source itself hears its client leave meanwhile (``ClientDisconnectedError``)."""
+        timer = None
+        if self._ping_interval_s > 0:
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(self._ping_interval_s, self._commit_early, source, scope)
+        try:
+            await source.open_stream()
+        except TandemError as exc:
+            await self._stop_early_commit(timer)
+            if not self._started or isinstance(exc, ClientDisconnectedError):
+                raise
+            log.info("stream failed before its first token: %s (%s)", exc.message, exc.code)
+            self._events = _one(orjson.dumps(exc.to_body()))
+            return
+        except BaseException:
+            await self._stop_early_commit(timer)
+            raise
+        await self._stop_early_commit(timer)
+        self._events = source.events()
+
+    def _commit_early(self, source: StreamSource, scope: Scope) -> None:
+        self._committing = asyncio.ensure_future(self._commit_once_answered(source, scope))
+
+    async def _commit_once_answered(self, source: StreamSource, scope: Scope) -> None:
+        await source.quota_answered()
+        try:
+            await self._start(scope, heartbeat=True)
+        except OSError as exc:  # the client left: the source's own watch ends its opening
+            log.debug("stream not committed: %r", exc)
+            return
+        self._arm_heartbeat()
+
+    async def _stop_early_commit(self, timer: asyncio.TimerHandle | None) -> None:
+        """No early commit from here on; one that already started the response stands."""
+        if timer is not None:
+            timer.cancel()
+        committing, self._committing = self._committing, None
+        if committing is not None and not committing.done():
+            committing.cancel()
+            await asyncio.wait((committing,))
+
+    async def _stream(self, scope: Scope, receive: Receive) -> None:
+        """The events, under the client's watch; committed first if the open did not."""
+        assert self._events is not None
         watch = HangUpCancels(client_gone_of(scope, receive))
         try:
             with watch:
-                await send(
-                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-                )
-                self.raw_headers = []  # sent: not held for the stream's life (about 1.3 KiB)
-                _let_go_of_request_headers(scope)
-                if self._heartbeat_first:
-                    await send(_body(HEARTBEAT))
-                self._arm_heartbeat()
+                if not self._started:
+                    await self._start(scope, heartbeat=False)
+                if self._timer is None:
+                    self._arm_heartbeat()
+                send = self._send
+                assert send is not None
                 async for payload in self._events:
                     event = frame(payload)
                     # Not held while the next event is awaited: orjson's bytes keep their
@@ -138,12 +209,20 @@ class EventStream(Response):
             # Any other cancellation (the server stopping) goes on up.
             if not watch.absorb_hang_up():
                 raise
-        finally:
-            await self._stop_streaming()
-            try:
-                await _aclose(self._events)
-            finally:
-                await self._on_close()
+
+    async def _start(self, scope: Scope, *, heartbeat: bool) -> None:
+        """Commit: status 200 and the headers as they are now, with a heartbeat when the
+        first event is not ready."""
+        assert self._send is not None
+        self._started = self._streaming = True
+        self.init_headers({**_HEADERS, **self._committed_headers})
+        await self._send(
+            {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        )
+        self.raw_headers = []  # sent: not held for the stream's life (about 1.3 KiB)
+        _let_go_of_request_headers(scope)
+        if heartbeat:
+            await self._send(_body(HEARTBEAT))
 
     def _arm_heartbeat(self) -> None:
         if self._ping_interval_s > 0 and self._streaming:
@@ -195,79 +274,18 @@ async def _aclose(events: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-async def serve_stream(
-    source: StreamSource, ping_interval_s: float, client_gone: ClientGone
-) -> Response:
-    """The streaming response for ``source``: committed at once if it opens within one
-    heartbeat interval (errors then raise, as HTTP statuses), else committed with a ping.
+def serve_stream(source: StreamSource, ping_interval_s: float) -> EventStream:
+    """The streaming response for ``source``. It opens the source in the handler's own task
+    (a task of its own was a hop through the event loop each way, before the first token):
+    committed at once if it opens within one heartbeat interval (errors then answer as HTTP
+    statuses, by the app's handlers), else committed with a ping once the quota answered.
 
-    A client that hangs up before then ends the request at once (``ClientDisconnectedError``):
-    the engine's work on its first token is aborted, not left running until the stream would
-    have committed (a heartbeat interval, or a long prompt's prefill)."""
-    opening = asyncio.ensure_future(source.open_stream())
-    try:
-        await unless_client_leaves(
-            _committable(opening, source, ping_interval_s),
-            client_gone,
-            "The client closed the connection before the first token.",
-        )
-    except BaseException:
-        await _cancel(opening)
-        await source.aclose()
-        raise
-    if opening.done():
-        try:
-            opening.result()
-        except BaseException:
-            await source.aclose()
-            raise
-        return EventStream(source.events(), source.headers, ping_interval_s, source.aclose)
-
-    async def close() -> None:
-        # However the response ends (even before its events started), the request stops
-        # waiting (leaves the queue, aborts its leg) before it is let go.
-        await _cancel(opening)
-        await source.aclose()
-
-    return EventStream(
-        _after_opening(opening, source),
-        source.headers,
-        ping_interval_s,
-        close,
-        heartbeat_first=True,
-    )
+    A client that hangs up before then ends the request at once: the source's own watch
+    (``ClientDisconnectedError``) aborts the engine's work on its first token, not left
+    running until the stream would have committed (a heartbeat interval, or a long prompt's
+    prefill)."""
+    return EventStream(None, source.headers, ping_interval_s, source.aclose, source=source)
 
 
-async def _committable(
-    opening: asyncio.Future[None], source: StreamSource, ping_interval_s: float
-) -> None:
-    """Returns once the stream may commit: opened, or one heartbeat interval passed and the
-    quota store answered (``opening`` goes on)."""
-    await asyncio.wait((opening,), timeout=ping_interval_s or None)
-    if not opening.done():  # only slow requests pay for the second wait
-        answered = asyncio.ensure_future(source.quota_answered())
-        try:
-            await asyncio.wait((opening, answered), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            await _cancel(answered)
-
-
-async def _after_opening(
-    opening: asyncio.Future[None], source: StreamSource
-) -> AsyncIterator[bytes]:
-    """A committed stream whose request is still queued or prefilling: the events once it
-    opens, or the error as one event. A client that leaves cancels the wait; the response's
-    close then cancels ``opening`` itself."""
-    try:
-        await asyncio.shield(opening)
-    except TandemError as exc:
-        log.info("stream failed before its first token: %s (%s)", exc.message, exc.code)
-        yield orjson.dumps(exc.to_body())
-        return
-    async for payload in source.events():
-        yield payload
-
-
-async def _cancel(task: asyncio.Future[None]) -> None:
-    task.cancel()
-    await asyncio.wait((task,))
+async def _one(payload: bytes) -> AsyncIterator[bytes]:
+    yield payload

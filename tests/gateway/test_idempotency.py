@@ -33,10 +33,14 @@ from openai import AsyncStream
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from admission.idempotency import MemoryIdempotencyStore, StoredResponse
-from core.errors import StoreUnavailableError
+from core.errors import ClientDisconnectedError, StoreUnavailableError
+from core.messages import Endpoint
 from gateway.assembly.app import AccessConfig
 from gateway.assembly.stores import StoreConfig
-from gateway.serving.idempotent import IdempotencyConfig
+from gateway.serving.events import ResponseHead
+from gateway.serving.hangup import HangUpSignal
+from gateway.serving.idempotent import IdempotencyConfig, TeeSource
+from gateway.serving.replay import StreamAssembler
 from tests.fakes.fake_engine import FakeEngine, count_prompt_tokens
 from tests.gateway.conftest import ADMIN_KEY, MODEL, FakeStack, make_fake_stack, wait_until
 
@@ -520,6 +524,21 @@ async def test_a_client_leaving_an_idempotent_stream_gets_the_whole_answer_on_re
     )  # the fake answers a prompt the same way every time: the whole answer
     assert content == fresh.choices[0].message.content
     assert len(content.split()) == OUTPUT_TOKENS - 1
+
+
+async def test_a_client_leaving_before_the_first_token_stops_its_wait_not_the_run() -> None:
+    """The response opens an idempotent stream in the handler's task: a hang-up ends that
+    wait at once, while the background run still opens and finishes for the retry."""
+    hang_up = HangUpSignal()
+    tee = TeeSource(ResponseHead({}), StreamAssembler(Endpoint.CHAT), hang_up)
+    waiting = asyncio.ensure_future(tee.open_stream())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    hang_up.fire()
+    with pytest.raises(ClientDisconnectedError):
+        await asyncio.wait_for(waiting, timeout=5)
+    assert not tee.opened.done(), "the run opens it, whoever waits"
+    tee.opened.set_result(None)
 
 
 async def test_a_client_leaving_an_idempotent_request_gets_the_answer_on_retry(

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import orjson
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 
-from core.errors import RateLimitError, TandemError
+from core.errors import EngineError, RateLimitError, TandemError
 from gateway.errors import install_error_handlers
-from gateway.serving.hangup import client_gone_of
 from gateway.serving.sse import serve_stream
 from tests.gateway.conftest import _free_port, wait_until
 
@@ -29,11 +29,16 @@ RATELIMIT = {"x-ratelimit-limit-requests": "100", "x-ratelimit-remaining-request
 class ScriptedSource:
     """Opens as the test releases it: first the quota's answer, then the first token."""
 
-    def __init__(self, refusal: TandemError | None = None) -> None:
+    def __init__(
+        self, refusal: TandemError | None = None, failure: Exception | None = None
+    ) -> None:
+        """``refusal``: the quota's answer instead of a reservation; ``failure``: what
+        happens instead of the first token."""
         self.headers = {"x-request-id": "req-1"}
         self.release_quota = asyncio.Event()
         self.release_first_token = asyncio.Event()
         self.refusal = refusal
+        self.failure = failure
         self.closed = False
         self._answered = asyncio.Event()
 
@@ -46,6 +51,8 @@ class ScriptedSource:
         finally:
             self._answered.set()
         await self.release_first_token.wait()
+        if self.failure is not None:
+            raise self.failure
 
     async def quota_answered(self) -> None:
         await self._answered.wait()
@@ -66,10 +73,8 @@ async def _serving(source: ScriptedSource) -> AsyncIterator[httpx.AsyncClient]:
     install_error_handlers(app)
 
     @app.post("/stream")
-    async def stream(request: Request) -> Response:
-        return await serve_stream(
-            source, PING_INTERVAL_S, client_gone_of(request.scope, request.receive)
-        )
+    async def stream() -> Response:
+        return serve_stream(source, PING_INTERVAL_S)
 
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -135,3 +140,43 @@ async def test_a_request_queued_past_a_heartbeat_commits_once_the_quota_answered
         rest = "".join([chunk async for chunk in chunks])
     await releasing
     assert "data: [DONE]" in rest
+
+
+async def test_a_stream_that_opens_within_a_heartbeat_commits_with_its_first_event() -> None:
+    source = ScriptedSource()
+    source.release_quota.set()
+    source.release_first_token.set()
+    async with _serving(source) as client:
+        response = await client.post("/stream")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert {name: response.headers.get(name) for name in RATELIMIT} == RATELIMIT
+    assert response.text == 'data: {"choices": []}\n\ndata: [DONE]\n\n'
+    assert source.closed
+
+
+async def test_a_failure_after_the_stream_committed_is_its_one_error_event() -> None:
+    failure = EngineError("The engine failed.", code="engine_error")
+    source = ScriptedSource(failure=failure)
+    source.release_quota.set()
+    releasing = asyncio.ensure_future(_release_after(source.release_first_token, 4))
+    async with _serving(source) as client:
+        response = await client.post("/stream")
+    await releasing
+    assert response.status_code == 200
+    events = [event for event in response.text.split("\n\n") if event]
+    assert events[0] == ": ping"
+    [error] = [event for event in events if event.startswith("data: ")]
+    assert orjson.loads(error.removeprefix("data: ")) == failure.to_body()
+    assert source.closed
+
+
+async def test_a_bug_before_the_stream_committed_is_a_500_in_openai_shape() -> None:
+    source = ScriptedSource(failure=RuntimeError("a bug"))
+    source.release_quota.set()
+    source.release_first_token.set()
+    async with _serving(source) as client:
+        response = await client.post("/stream")
+    assert response.status_code == 500
+    assert response.json()["error"]["message"].startswith("The gateway hit an internal error")
+    assert source.closed
