@@ -121,6 +121,7 @@ class EventStream(Response):
             if self._source is not None:
                 try:
                     await self._open(self._source, scope)
+                    self._events = self._source.events()
                 except Exception as exc:
                     if not self._started:  # nothing sent: the error is the response's status
                         if (handled := await handled_response(exc, scope, receive)) is None:
@@ -129,7 +130,12 @@ class EventStream(Response):
                         return
                     if isinstance(exc, ClientDisconnectedError):
                         return  # nobody is left to read an error event
-                    raise
+                    if not isinstance(exc, TandemError):
+                        raise
+                    # Committed early: the error is the stream's one event.
+                    log.info("stream failed before its first token: %s (%s)", exc.message,
+                             exc.code)  # fmt: skip
+                    self._events = _one(orjson.dumps(exc.to_body()))
             await self._stream(scope, receive)
         finally:
             await self._stop_streaming()
@@ -142,26 +148,16 @@ class EventStream(Response):
     async def _open(self, source: StreamSource, scope: Scope) -> None:
         """Wait for ``source`` to open, in this task. Past one heartbeat interval a task
         commits the response (once the quota answered) with a heartbeat, and heartbeats go on
-        while the source opens; an error after that commit becomes the stream's one event.
-        The source itself hears its client leave meanwhile (``ClientDisconnectedError``)."""
+        while the source opens. The source itself hears its client leave meanwhile
+        (``ClientDisconnectedError``)."""
         timer = None
         if self._ping_interval_s > 0:
             loop = asyncio.get_running_loop()
             timer = loop.call_later(self._ping_interval_s, self._commit_early, source, scope)
         try:
             await source.open_stream()
-        except TandemError as exc:
+        finally:
             await self._stop_early_commit(timer)
-            if not self._started or isinstance(exc, ClientDisconnectedError):
-                raise
-            log.info("stream failed before its first token: %s (%s)", exc.message, exc.code)
-            self._events = _one(orjson.dumps(exc.to_body()))
-            return
-        except BaseException:
-            await self._stop_early_commit(timer)
-            raise
-        await self._stop_early_commit(timer)
-        self._events = source.events()
 
     def _commit_early(self, source: StreamSource, scope: Scope) -> None:
         self._committing = asyncio.ensure_future(self._commit_once_answered(source, scope))
