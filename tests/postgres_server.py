@@ -12,7 +12,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,8 @@ from urllib.parse import quote
 
 import psycopg
 from psycopg import sql
+
+from tests.server_process import free_port_block
 
 # pg_ctl's own default wait (PGCTLTIMEOUT). The chaos soak restarts the server on a machine whose
 # cores the vLLM workers keep busy: in one CI run the server wrote its first log line over 20 s
@@ -167,7 +168,7 @@ def running_postgres() -> Iterator[PostgresServer]:
             "are never skipped",
             pytrace=False,
         )
-    server = PostgresServer(bindir, _free_port(), Path(tempfile.mkdtemp(prefix="tandem-pg-")))
+    server = PostgresServer(bindir, free_port_block(1), Path(tempfile.mkdtemp(prefix="tandem-pg-")))
     try:
         server.initdb()
         server.start()
@@ -218,9 +219,3 @@ def _postmaster_pid(datadir: Path) -> int | None:
         return int((datadir / "postmaster.pid").read_text().split("\n", 1)[0])
     except (OSError, ValueError):
         return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

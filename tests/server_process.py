@@ -78,7 +78,41 @@ class ServerProcess:
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 nothing listens on (now)."""
+    """A port of 127.0.0.1 nothing listens on (now), from the kernel's ephemeral range: for a
+    server that is started once. One a test restarts takes ``free_port_block``'s."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+RESTARTABLE_PORTS = range(18000, 30000, 37)
+"""Where ``free_port_block`` looks: below the kernel's ephemeral range (32768-60999 by default,
+``net.ipv4.ip_local_port_range``), whose ports are also handed to outbound connections."""
+
+
+_handed_out: set[int] = set()
+"""Bases this process was given: a block chosen but not bound yet (the soak picks its stack's
+ports, then starts PostgreSQL, then the stack) is never handed out twice."""
+
+
+def free_port_block(size: int) -> int:
+    """A base port of 127.0.0.1 with ``size`` (at most 37) consecutive ports free after it,
+    outside the ephemeral range: a server on one can be killed and restarted on the same port.
+    An ephemeral port can meanwhile become the local end of an outbound connection (a client's,
+    a health check's), which a keep-alive holds, so the restarted server never binds it again."""
+    if size > RESTARTABLE_PORTS.step:
+        raise ValueError(f"a block is at most {RESTARTABLE_PORTS.step} ports, not {size}")
+    for base in RESTARTABLE_PORTS:
+        if base not in _handed_out and all(_is_free(base + i) for i in range(size)):
+            _handed_out.add(base)
+            return base
+    raise RuntimeError(f"no {size} consecutive free ports in {RESTARTABLE_PORTS} left")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

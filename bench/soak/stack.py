@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,8 +28,13 @@ import httpx
 import psutil
 
 from gateway.assembly.redis_server import OwnedRedis
+from tests.server_process import free_port_block
 
 BOOT_TIMEOUT_S = 900.0
+PORT_BLOCK = 8
+"""The gateway's port, then the workers' HTTP and side-channel ports count up from it."""
+LOG_TAIL_LINES = 40
+"""How much of each log a StackError carries."""
 
 
 class StackError(RuntimeError):
@@ -55,7 +59,7 @@ class SoakStack:
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.admin_key = secrets.token_urlsafe(24)
-        self.port = _free_port()
+        self.port = free_port_block(PORT_BLOCK)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.redis = OwnedRedis(spec.workdir / "redis")
         self.ledger_url = ""
@@ -70,6 +74,10 @@ class SoakStack:
     def pid(self) -> int:
         assert self._process is not None
         return self._process.pid
+
+    @property
+    def worker_log_dir(self) -> Path:
+        return self.spec.workdir / "logs"
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -101,9 +109,10 @@ class SoakStack:
         return {
             **os.environ,
             "TANDEM_PORT": str(self.port),
-            "TANDEM_PREFILL_BASE_PORT": str(_free_port()),
-            "TANDEM_DECODE_BASE_PORT": str(_free_port()),
-            "TANDEM_SIDE_CHANNEL_BASE_PORT": str(_free_port()),
+            # The workers are killed and restarted on these: ports no outbound connection takes.
+            "TANDEM_PREFILL_BASE_PORT": str(self.port + 1),
+            "TANDEM_DECODE_BASE_PORT": str(self.port + 2),
+            "TANDEM_SIDE_CHANNEL_BASE_PORT": str(self.port + 3),
             "TANDEM_GATEWAY_WORKERS": str(spec.gateway_processes),
             "TANDEM_REDIS_URL": self.redis.url,
             "TANDEM_BILLING_DATABASE_URL": self.ledger_url,
@@ -114,7 +123,7 @@ class SoakStack:
             "TANDEM_QUEUE_TIMEOUT_S": str(spec.queue_timeout_s),
             "TANDEM_SHUTDOWN_GRACE_S": str(spec.shutdown_grace_s),
             "TANDEM_MAX_IN_FLIGHT_PER_WORKER": str(spec.max_in_flight_per_worker),
-            "TANDEM_LOG_DIR": str(spec.workdir / "logs"),
+            "TANDEM_LOG_DIR": str(self.worker_log_dir),
             "TANDEM_STATE_DIR": str(spec.workdir / "state"),
         }
 
@@ -139,30 +148,65 @@ class SoakStack:
         return self.spec.workdir / "state" / "gateway-processes.json"
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``.
+        """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``, saying
+        what was seen last and ending with the tail of ``tandem up``'s log (CI keeps no files).
 
         Every known worker must also answer its own ``/health``: the gateway's view of one
         lags by up to a health interval, so ``/ready`` said 200 for a worker killed just
         before (CI read the prefill worker's metrics next and found nothing listening)."""
         deadline = time.monotonic() + timeout_s
+        last_seen = "nothing yet"
         async with httpx.AsyncClient(timeout=2) as client:
             while time.monotonic() < deadline:
                 if self._process is not None and self._process.returncode is not None:
                     raise StackError(
                         f"tandem up exited with {self._process.returncode}: see {self.log_path}"
+                        f"{self._log_tail()}"
                     )
-                with contextlib.suppress(httpx.HTTPError):
+                try:
                     response = await client.get(f"{self.base_url}/ready")
-                    if response.status_code == 200 and await self._workers_answer(client):
+                    if response.status_code != 200:
+                        last_seen = f"/ready answered {response.status_code}: {response.text}"
+                    elif (silent := await self._silent_worker(client)) is not None:
+                        last_seen = f"/ready answered 200, but {silent}"
+                    else:
                         return dict(response.json())
+                except httpx.HTTPError as exc:
+                    last_seen = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)
-        raise StackError(f"the stack was not ready within {timeout_s:.0f} s: see {self.log_path}")
+        raise StackError(
+            f"the stack was not ready within {timeout_s:.0f} s; last seen: {last_seen}; "
+            f"see {self.log_path}{self._log_tail()}"
+        )
 
-    async def _workers_answer(self, client: httpx.AsyncClient) -> bool:
-        for url in self.worker_urls.values():
-            if (await client.get(f"{url}/health")).status_code != 200:
-                return False
-        return True
+    async def _silent_worker(self, client: httpx.AsyncClient) -> str | None:
+        """Which known worker does not answer its own ``/health`` (None: all do)."""
+        for role, url in self.worker_urls.items():
+            try:
+                status = (await client.get(f"{url}/health")).status_code
+            except httpx.HTTPError as exc:
+                return f"the {role} worker's /health failed: {type(exc).__name__}: {exc}"
+            if status != 200:
+                return f"the {role} worker's /health answered {status}"
+        return None
+
+    def _log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The end of ``tandem up``'s log less its per-request lines, then the end of each
+        worker's log: what an error CI prints needs (CI keeps no files)."""
+        parts = []
+        sources = [(self.log_path, "tandem up"), *((p, p.stem) for p in self._worker_logs())]
+        for path, name in sources:
+            try:
+                text = path.read_text(errors="replace").splitlines()
+            except OSError as exc:
+                parts.append(f"--- {name}: no log ({exc}) ---")
+                continue
+            kept = [line for line in text if " tandem.requests: " not in line][-lines:]
+            parts.append(f"--- the end of {name}'s log ({path}) ---\n" + "\n".join(kept))
+        return "\n" + "\n".join(parts)
+
+    def _worker_logs(self) -> list[Path]:
+        return sorted(self.worker_log_dir.glob("*.log"))
 
     async def new_tenant(self, name: str, plan: dict[str, Any]) -> str:
         """Create tenant ``name`` with ``plan``; return a key of it."""
@@ -272,9 +316,3 @@ def _listener_pid(url: str) -> int:
     if len(pids) != 1 or None in pids:
         raise StackError(f"expected one process listening on port {port}, found {pids}")
     return int(next(iter(pids)))  # type: ignore[arg-type]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

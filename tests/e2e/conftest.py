@@ -11,7 +11,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 
 from planner.profile import DecodePoint, PrefillPoint, Profile
 from tests.otlp_receiver import OtlpReceiver, receiver_in_thread
+from tests.server_process import free_port_block
 
 BOOT_TIMEOUT_S = 900.0
 ADMIN_KEY = "e2e-admin-key"
@@ -153,23 +153,6 @@ def _write_profile(path: Path) -> Path:
     return path
 
 
-def _free_port_block(size: int) -> int:
-    """A base port with ``size`` consecutive free ports after it."""
-    for base in range(18000, 30000, 37):
-        if all(_is_free(base + i) for i in range(size)):
-            return base
-    raise RuntimeError("no free port block found")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Iterator[OtlpReceiver]:
     """Where the stack's gateway and vLLM workers export their spans (tests/e2e/test_tracing.py)."""
@@ -181,7 +164,7 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
 def live_stack(
     tmp_path_factory: pytest.TempPathFactory, otlp_receiver: OtlpReceiver
 ) -> Iterator[LiveStack]:
-    base = _free_port_block(8)
+    base = free_port_block(8)  # test_zz_faults.py kills and restarts the workers
     workdir = tmp_path_factory.mktemp("stack")
     env = {
         **os.environ,

@@ -25,7 +25,8 @@ from core.models import ServedModel
 from gateway.assembly.app import AccessConfig, GatewayConfig, create_app
 from gateway.assembly.stores import StoreConfig
 from gateway.serving.upstream import UpstreamConfig
-from tests.e2e.conftest import LiveStack, _free_port_block
+from tests.e2e.conftest import LiveStack
+from tests.server_process import free_port_block
 from workers.deployments import Deployment, Deployments
 from workers.pool import PoolConfig, WorkerPool
 
@@ -40,7 +41,7 @@ def gateway_over(
 ) -> Iterator[openai.OpenAI]:
     """A gateway on its own thread and event loop over external workers at these URLs, which
     serve ``served_as`` (default: ``model``)."""
-    port = _free_port_block(1)
+    port = free_port_block(1)
     state_dir = Path(tempfile.mkdtemp(prefix="tandem-e2e-"))
     started = threading.Event()
     stop = threading.Event()
