@@ -20,7 +20,7 @@ import pytest
 from redis.asyncio import Redis
 
 from admission.tenants import hash_key
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port_block
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -62,7 +62,8 @@ class RedisServer(ServerProcess):
 
 @contextmanager
 def running_redis() -> Iterator[RedisServer]:
-    """A started server on a free port, stopped and cleaned up on exit.
+    """A started server on a free port below the ephemeral range (``free_port_block``: outage
+    tests restart it on the same port), stopped and cleaned up on exit.
 
     Fails the test (never skips it) when ``redis-server`` is not installed.
     """
@@ -74,7 +75,7 @@ def running_redis() -> Iterator[RedisServer]:
             pytrace=False,
         )
     with tempfile.TemporaryDirectory(prefix="tandem-redis-") as workdir:
-        server = RedisServer(executable, free_port(), Path(workdir))
+        server = RedisServer(executable, free_port_block(1), Path(workdir))  # outages restart it
         server.start()
         try:
             yield server

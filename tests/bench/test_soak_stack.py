@@ -1,5 +1,4 @@
-"""The soak stack's readiness wait fails with what CI needs to tell why (it keeps no files), and
-its workers get ports a restart can bind again."""
+"""The soak stack's readiness wait fails with what CI needs to tell why (it keeps no files)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from aiohttp import web
 
 from bench.soak.stack import SoakStack, StackError, StackSpec
 from tests.http_app import served
-from tests.server_process import RESTARTABLE_PORTS, free_port_block
 
 REQUEST_LINE = "2026-12-01 02:14:18,607 INFO tandem.requests: request 1 failed"
 WORKER_LINE = "2026-12-01 02:14:18,609 ERROR tandem.workers: decode-0 exited; restarting in 60 s"
@@ -59,17 +57,3 @@ async def test_a_ready_gateway_with_a_silent_worker_names_the_worker(tmp_path: P
 
         stack.worker_urls = {}
         assert await stack.wait_ready(0.3) == {"status": "ready", "workers": []}
-
-
-def test_restartable_ports_lie_below_the_kernels_ephemeral_range() -> None:
-    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    base = free_port_block(8)
-
-    assert base in RESTARTABLE_PORTS
-    assert base + 8 <= low
-
-
-def test_a_block_handed_out_is_not_handed_out_again_before_it_is_bound() -> None:
-    first, second = free_port_block(8), free_port_block(1)
-
-    assert second not in range(first, first + 8)
