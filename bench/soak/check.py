@@ -21,6 +21,11 @@ GATEWAY_CUT_WINDOW_S = 5.0
 RSS_GROWTH_BOUND = 64 * 1024 * 1024
 """A gateway process may grow this much over the run (caches fill; a leak grows past it)."""
 
+REFUSED_AFTER_COMMIT = "stream_error:overloaded"
+"""How a client sees a stream the admission queue refused after it committed: one still
+queued a heartbeat interval after it arrived commits (200, then pings), and the queue's timeout
+is then its one error event. Only admission raises ``overloaded``; a request it refused was never
+admitted, so it is not billed (``docs/ARCHITECTURE.md``, "Streams")."""
 CLIENT_FAULTS = ("timeout", "malformed", "connection")
 """Outcomes that are not a clean, OpenAI-shaped error (``connection`` is allowed only for
 streams cut by a gateway kill)."""
@@ -156,7 +161,10 @@ def ledger_exact(ev: Evidence) -> Check:
         for s in ev.sent
         if any(_cut_by(s, f) for f in ev.faults if f.kind is FaultKind.GATEWAY_KILL)
     }
-    committed = [s for s in ev.sent if s.record.status == 200 and id(s) not in cut]
+    refused = {id(s) for s in ev.sent if s.record.error_type == REFUSED_AFTER_COMMIT}
+    committed = [
+        s for s in ev.sent if s.record.status == 200 and id(s) not in cut and id(s) not in refused
+    ]
     missing = [s for s in committed if s.record.request_id not in counts]
     cut_committed = sum(1 for s in ev.sent if id(s) in cut and s.record.status == 200)
     return Check(
@@ -164,7 +172,8 @@ def ledger_exact(ev: Evidence) -> Check:
         not doubled and not phantom and not missing,
         f"{len(ev.ledger)} rows; {len(committed)} committed requests; missing {len(missing)}; "
         f"doubled {len(doubled)}; rows of no request {len(phantom)}; streams cut by a gateway "
-        f"kill (never billed: the process died with them) {cut_committed}"
+        f"kill (never billed: the process died with them) {cut_committed}; streams refused "
+        f"by the queue after their commit (never admitted, not billed) {len(refused)}"
         + (f"; e.g. missing {missing[0].record.request_id}" if missing else ""),
     )
 

@@ -89,6 +89,21 @@ def test_the_ledger_must_hold_each_committed_request_once_and_nothing_else() -> 
     assert not check.ledger_exact(dataclasses.replace(ev, ledger=[*ev.ledger, phantom])).ok
 
 
+def test_a_stream_the_queue_refused_after_its_commit_is_not_billed_and_no_other_is_let_off() -> (
+    None
+):
+    ev = evidence(HISTORY)  # a row for each request of the history, none for these two
+    # Committed (200, pings) while queued; then the queue's timeout was its one event.
+    refused = sent(90, error="stream_error:overloaded")
+    failed = sent(91, error="stream_error:engine_error")  # admitted, then failed: billed
+    with_refused = check.ledger_exact(dataclasses.replace(ev, sent=[*ev.sent, refused]))
+    assert with_refused.ok
+    assert "refused by the queue after their commit (never admitted, not billed) 1" in (
+        with_refused.detail
+    )
+    assert not check.ledger_exact(dataclasses.replace(ev, sent=[*ev.sent, failed])).ok
+
+
 def test_charged_tokens_must_equal_what_the_client_was_told() -> None:
     ev = evidence(HISTORY)
     wrong = [row(HISTORY[0], tokens=(10, 6)), *ev.ledger[1:]]
