@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gateway.assembly.supervisor import port_is_free
+
 
 class ServerProcess:
     """One server process, started and stopped as often as its owner asks."""
@@ -104,19 +106,12 @@ def free_port_block(size: int) -> int:
         raise ValueError(f"a block is at most {RESTARTABLE_PORTS.step} ports, not {size}")
     for _ in range(2):
         for base in RESTARTABLE_PORTS:
-            if base not in _handed_out and all(_is_free(base + i) for i in range(size)):
+            if base in _handed_out:
+                continue
+            if all(port_is_free("127.0.0.1", base + i) for i in range(size)):
                 _handed_out.add(base)
                 return base
         # Every base was handed out once: the servers of those still running hold their ports
         # (the bind check skips them), the others are gone.
         _handed_out.clear()
     raise RuntimeError(f"no {size} consecutive free ports in {RESTARTABLE_PORTS}")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

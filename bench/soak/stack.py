@@ -149,7 +149,7 @@ class SoakStack:
 
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         """``/ready``'s body once every worker is healthy; StackError past ``timeout_s``, saying
-        what was seen last and ending with the tail of ``tandem up``'s log (CI keeps no files).
+        what was seen last and ending with the end of each log (CI keeps no files).
 
         Every known worker must also answer its own ``/health``: the gateway's view of one
         lags by up to a health interval, so ``/ready`` said 200 for a worker killed just

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import gc
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from gateway.limits import RequestLimits
 from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
+from tests.server_process import free_port
 from workers.deployments import Deployment, Deployments
 from workers.pool import PoolConfig, WorkerPool
 
@@ -75,12 +75,6 @@ class FakeStack:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
     """Poll ``condition()`` until it is true or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -93,7 +87,7 @@ async def wait_until(condition: object, timeout_s: float = 5.0) -> None:
 @asynccontextmanager
 async def gateway_protocol_serving(app: ASGIApp, **options: Any) -> AsyncIterator[int]:
     """``app`` on a real uvicorn server with the gateway's own HTTP protocol; yields its port."""
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
         http=limited_httptools(RequestLimits()), **options,
@@ -196,7 +190,7 @@ async def make_fake_stack(
     config = dataclasses.replace(config, **(gateway or {}))
     deployment = Deployment(model or ServedModel(MODEL, 256, 0), pools[0], pools[1])
     app = create_app(config, Deployments([deployment]))
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
             app,

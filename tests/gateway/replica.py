@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import httpx
 import redis
 
 from tests.fakes.model_folder import fake_model_folder
+from tests.server_process import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -51,13 +51,6 @@ class Process:
             return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
         except OSError:
             return "(no log)"
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (a race with other binders is possible, not likely)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

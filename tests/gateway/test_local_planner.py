@@ -44,7 +44,8 @@ from planner.profile import DecodePoint, PrefillPoint, Profile
 from planner.replicas import Targets
 from planner.scaling import ScalingPolicy
 from tests.fakes.model_folder import fake_version
-from tests.gateway.conftest import ADMIN_KEY, _free_port, stop_server, wait_until
+from tests.gateway.conftest import ADMIN_KEY, stop_server, wait_until
+from tests.server_process import free_port
 from workers.deployments import Deployment, Deployments
 from workers.registry import Worker
 
@@ -128,9 +129,9 @@ async def planned_gateway(
         log_dir=state_dir / "logs",
         health_interval_s=0.05,
         worker_ready_timeout_s=20,
-        decode_base_port=_free_port(),
-        prefill_base_port=_free_port(),
-        side_channel_base_port=_free_port(),
+        decode_base_port=free_port(),
+        prefill_base_port=free_port(),
+        side_channel_base_port=free_port(),
         worker_command=(
             f"{sys.executable} -m tests.fakes.fake_engine --role both "
             f"--output-tokens {TOKENS} --token-delay-s {TOKEN_DELAY_S}"
@@ -172,7 +173,7 @@ async def planned_gateway(
     app = create_app(
         config, deployments, LocalVersionBuilder(settings), supervisor, launcher=supervisor
     )
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

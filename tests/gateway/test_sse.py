@@ -20,7 +20,8 @@ from fastapi.responses import Response
 from core.errors import EngineError, RateLimitError, TandemError
 from gateway.errors import install_error_handlers
 from gateway.serving.sse import serve_stream
-from tests.gateway.conftest import _free_port, wait_until
+from tests.gateway.conftest import wait_until
+from tests.server_process import free_port
 
 PING_INTERVAL_S = 0.05
 RATELIMIT = {"x-ratelimit-limit-requests": "100", "x-ratelimit-remaining-requests": "99"}
@@ -76,7 +77,7 @@ async def _serving(source: ScriptedSource) -> AsyncIterator[httpx.AsyncClient]:
     async def stream() -> Response:
         return serve_stream(source, PING_INTERVAL_S)
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
     await wait_until(lambda: server.started)

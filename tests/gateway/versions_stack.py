@@ -34,7 +34,8 @@ from gateway.serving.upstream import UpstreamConfig
 from kv_transfer.decider import DeciderConfig
 from tests.fakes.fake_engine import FakeEngine
 from tests.fakes.model_folder import fake_model_folder, fake_version
-from tests.gateway.conftest import ADMIN_KEY, _free_port, stop_server, wait_until
+from tests.gateway.conftest import ADMIN_KEY, stop_server, wait_until
+from tests.server_process import free_port
 from workers.deployments import Deployments
 
 ALIAS = "smol"
@@ -204,7 +205,7 @@ async def make_versions_stack(
     )
     config = dataclasses.replace(config, **gateway)
     app = create_app(config, Deployments([deployment]), LocalVersionBuilder(settings), supervisor)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

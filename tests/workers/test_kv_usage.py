@@ -12,7 +12,7 @@ import pytest
 
 from core.messages import WorkerRole
 from tests.fakes.fake_engine import FakeEngine
-from tests.workers.test_process import free_port
+from tests.server_process import free_port
 from workers.capacity import DecodeCapacity
 from workers.kv_usage import KvUsageWatcher, parse_kv_usage
 from workers.pool import PoolConfig, WorkerPool

@@ -7,7 +7,6 @@ import contextlib
 import json
 import pickle
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -25,6 +24,7 @@ from decode_pool import decode_worker_specs
 from kv_transfer.connector import ConnectorConfig
 from kv_transfer.nixl_progress import KEEP_BINDING_ENV
 from prefill_pool import prefill_worker_specs
+from tests.server_process import free_port
 from workers.process import (
     THP_ENV,
     LaunchConfig,
@@ -37,12 +37,6 @@ from workers.vllm_busy_wait import PAUSE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_WORKER = (sys.executable, str(Path(__file__).with_name("fake_worker.py")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fake_spec(tmp_path: Path, name: str = "prefill-0", **env: str) -> WorkerSpec:
