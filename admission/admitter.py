@@ -250,8 +250,7 @@ class Admitter:
         )
         self._dispatch()  # capacity may have grown since the last event: queue only if full
         if not self._fair and self._num_in_flight < self._limit(band, self._capacity.capacity()):
-            self._fair.push(entry)
-            return self._grant(entry, now)
+            return self._slot(entry, now, self._fair.admit_at_once(entry), past_due=False)
         if len(self._fair) >= self._config.max_queue:
             victim = self._fair.shed_for(tenant_id, band)
             retry_after_s = self._retry_after_s(now)
@@ -334,6 +333,12 @@ class Admitter:
         fair_position = self._fair.position(entry.tenant_id, entry.band)
         popped = self._fair.pop(entry.band)
         assert popped is entry, "granted an entry that is not the head of its band"
+        return self._slot(entry, now, fair_position, past_due=past_due)
+
+    def _slot(
+        self, entry: _Entry, now: float, fair_position: int, *, past_due: bool
+    ) -> AdmissionSlot:
+        """The slot of ``entry``, just taken from the fair queue."""
         self._num_past_due = self._num_past_due + 1 if past_due else 0
         self._num_in_flight += 1
         interval = now - self._last_admitted_at

@@ -51,8 +51,10 @@ Pure policy: synchronous, no clock reads, no asyncio. The admitter owns the cloc
   only grow: a float counts whole tokens exactly up to 2**53, centuries at any real rate.
 
 Costs: ``push``/``pop``/``charge_output`` are O(log n) over the band's backlogged tenants (lazy
-heaps, rebuilt when they grow stale); ``remove`` is O(tenant queue); ``expired`` is O(queue);
-``position`` is O(the band's active tenants).
+heaps, rebuilt when they grow stale, emptied when the band's backlog is); ``remove`` is O(tenant
+queue); ``expired`` is O(queue); ``position`` is O(the band's active tenants). An entry that
+arrives while nothing is queued takes ``admit_at_once``: the push and the pop in one step,
+without the heaps (the admitter's usual case, below capacity).
 """
 
 from __future__ import annotations
@@ -304,6 +306,35 @@ class FairQueue(Generic[P]):
         self._left_queue(entry)
         return entry
 
+    def admit_at_once(self, entry: QueueEntry[P]) -> int:
+        """``push(entry)`` then ``pop()``, for an entry that arrives while nothing is queued in
+        any band (the usual case below capacity): the same lift, charge, floors and deltas, in
+        one step instead of a round trip through the band's queue and heaps. Returns the
+        tenant's ``position`` in its band as it stood between the two, after its lift.
+        ValueError if anything is queued: then the queue's order decides, through ``push``."""
+        if len(self):
+            raise ValueError("admit_at_once() with entries queued: push() and pop() instead")
+        band = self._bands[entry.band]
+        tenant_id = entry.tenant_id
+        floor = self.floor(entry.band)
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
+            self._record(tenant_id, CounterDelta(at_least=floor))
+        elif state.counter < floor:
+            state.counter = floor  # queued nowhere: no heap holds it
+            self._record(tenant_id, CounterDelta(at_least=floor))
+        state.band = entry.band
+        position = self.position(tenant_id, entry.band)
+        band.num_skips = 0
+        band.serving[tenant_id] = band.serving.get(tenant_id, 0) + 1
+        state.in_service += 1
+        self._charge(tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
+        # As ``pop`` leaves the band's backlog empty: the floor is the counter that left last.
+        band.last_floor = max(band.last_floor, state.counter)
+        self._prune(band)
+        return position
+
     def remove(self, entry: QueueEntry[P]) -> bool:
         """Take a still-queued entry out (its client left, its deadline passed, it was shed).
         Nobody is charged. False when it was not queued (already popped or removed)."""
@@ -430,6 +461,10 @@ class FairQueue(Generic[P]):
         self._tenants[entry.tenant_id].queued -= 1
         if not queue:
             del band.queues[entry.tenant_id]
+            if not band.queues:
+                # An item is live only while its tenant is backlogged here: none is now.
+                band.by_min.clear()
+                band.by_max.clear()
 
     def _head(self, band: _Band[P]) -> QueueEntry[P] | None:
         """The band's next entry: its smallest-counter tenant's oldest."""
@@ -494,7 +529,10 @@ class FairQueue(Generic[P]):
         heapq.heappush(band.by_min, (counter, seq, tenant_id))
         heapq.heappush(band.by_max, (-counter, seq, tenant_id))
         # Stale items pile up with every charge; rebuild once they outnumber the live ones.
-        if len(band.by_min) > 2 * len(band.queues) + 64:
+        # Both heaps count: a counter only grows, so a tenant's stale items sink to the bottom
+        # of ``by_max``, where no look at its top ever pops them, while ``by_min`` sheds its
+        # own at every look (``floor``).
+        if len(band.by_min) + len(band.by_max) > 4 * len(band.queues) + 128:
             live = [(self._tenants[t].counter, next(self._seq), t) for t in band.queues]
             band.by_min = live
             band.by_max = [(-c, s, t) for c, s, t in live]

@@ -4,6 +4,8 @@ removal, the memory bound on counters, the starvation bound across bands, positi
 from __future__ import annotations
 
 import random
+import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -268,6 +270,63 @@ def test_charge_output_of_a_dropped_tenant_is_ignored() -> None:
     assert queue.counter("a") is None
     queue.charge_output("a", 1.0, 100)
     assert queue.counter("a") is None
+
+
+def _held_bytes(run: Callable[[], None]) -> int:
+    """Python memory still allocated after ``run`` (tracemalloc), beyond what it started with."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        run()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_queue_that_never_backs_up_holds_nothing_per_request() -> None:
+    """Below capacity every request is admitted as it arrives: its heap items must go with it
+    (each request left one behind, about 120 bytes, before)."""
+    queue: FairQueue[str] = FairQueue()
+
+    def serve(num_requests: int, *, at_once: bool) -> None:
+        for i in range(num_requests):
+            arriving = entry(f"t{i % 3}")
+            if at_once:
+                queue.admit_at_once(arriving)
+            else:
+                queue.push(arriving)
+                queue.pop()
+            queue.finish(arriving)
+
+    serve(100, at_once=False)  # every tenant has its counter, every structure its size
+    assert _held_bytes(lambda: serve(10_000, at_once=False)) < 16_000
+    assert _held_bytes(lambda: serve(10_000, at_once=True)) < 16_000
+
+
+def test_a_band_backlogged_for_long_holds_a_bounded_heap() -> None:
+    """Two tenants kept queued through 10,000 pops, each charged as it streams: the stale
+    heap items every charge leaves are rebuilt away, in both heaps."""
+    queue: FairQueue[str] = FairQueue()
+    for tenant in ("a", "b", "a", "b"):
+        queue.push(entry(tenant))
+
+    def serve(num_requests: int) -> None:
+        for _ in range(num_requests):
+            popped = queue.pop()
+            queue.charge_output(popped.tenant_id, popped.weight, 3)
+            queue.finish(popped)
+            queue.push(entry(popped.tenant_id))
+
+    serve(200)
+    assert _held_bytes(lambda: serve(10_000)) < 16_000
+
+
+def test_admit_at_once_is_refused_while_entries_are_queued() -> None:
+    queue: FairQueue[str] = FairQueue()
+    queue.push(entry("a"))
+    with pytest.raises(ValueError, match="push"):
+        queue.admit_at_once(entry("b"))
+    assert [queued.payload for queued in queue.entries()] == ["a"]
 
 
 def test_invalid_entries_are_refused() -> None:

@@ -375,13 +375,19 @@ class AdmitterRun:
         self.others_served = dict.fromkeys(PriorityBand, 0)
         queue = self.admitter.fair_queue
         push, pop, remove = queue.push, queue.pop, queue.remove
+        admit_at_once = queue.admit_at_once
 
         def spy_push(entry: AdmitterEntry) -> None:
             push(entry)
-            assert self.arriving is not None
-            self.requests[id(entry)] = self.arriving
-            self.queued_by_band[entry.band] += 1
-            self.checker.queued(self.arriving)
+            self.arrived(entry)
+
+        def spy_admit_at_once(entry: AdmitterEntry) -> int:
+            # A push and a pop in one step (tests/properties/test_fair_queue_at_once.py).
+            in_flight = self.admitter.num_in_flight
+            position = admit_at_once(entry)
+            self.arrived(entry)
+            self.admitted(entry, in_flight)
+            return position
 
         def spy_pop(band: PriorityBand | None = None) -> AdmitterEntry:
             in_flight = self.admitter.num_in_flight  # before this admission counts
@@ -399,12 +405,19 @@ class AdmitterRun:
             return removed
 
         queue.push = spy_push  # type: ignore[method-assign]
+        queue.admit_at_once = spy_admit_at_once  # type: ignore[method-assign]
         queue.pop = spy_pop  # type: ignore[method-assign]
         queue.remove = spy_remove  # type: ignore[method-assign]
 
     @property
     def headroom_slots(self) -> int:
         return math.ceil(self.scenario.capacity * self.headroom)
+
+    def arrived(self, entry: AdmitterEntry) -> None:
+        assert self.arriving is not None
+        self.requests[id(entry)] = self.arriving
+        self.queued_by_band[entry.band] += 1
+        self.checker.queued(self.arriving)
 
     def admitted(self, entry: AdmitterEntry, in_flight: int) -> None:
         capacity = self.scenario.capacity
