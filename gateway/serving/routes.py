@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.routing import Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,7 +26,7 @@ from gateway.serving.deadlines import TIMEOUT_HEADER, request_deadline
 from gateway.serving.flow import Answered, Outcome, Replayed, RequestFlow, ServingServices
 from gateway.serving.hangup import client_gone_of
 from gateway.serving.idempotent import replay_response
-from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest, validate_request
 from gateway.serving.sse import serve_stream
 from moderation.openai_shape import moderation_response, parse_moderation_input
 from telemetry.request_trace import operation_name
@@ -197,7 +197,7 @@ def _model_entry(model_id: str, model: ServedModel) -> dict[str, Any]:
 
 async def _serve(
     endpoint: Endpoint,
-    schema: type[BaseModel],
+    schema: type[ChatCompletionRequest | CompletionRequest],
     http_request: HttpRequest,
     services: ServingServices,
 ) -> Response:
@@ -211,7 +211,7 @@ async def _serve(
             caller = await services.gate.authenticate(headers.get("authorization"))
         body = await _json_body(http_request)
         try:
-            schema.model_validate(body)  # the client's own JSON is what the engine gets
+            validate_request(schema, body)  # the client's own JSON is what the engine gets
         except ValidationError as exc:
             raise invalid_request_from_validation(exc) from exc
         flow = RequestFlow(services)

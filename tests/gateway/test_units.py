@@ -9,7 +9,13 @@ from core.errors import ContextLengthExceededError, EngineError, InvalidRequestE
 from core.messages import WorkerRole
 from gateway.errors import invalid_request_from_validation
 from gateway.serving.relay import split_finish_chunk
-from gateway.serving.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.serving.schemas import (
+    QUICK_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _plainly_valid,
+    validate_request,
+)
 from gateway.serving.upstream import engine_status_error
 from workers.registry import Worker, least_loaded
 
@@ -18,8 +24,61 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 def _param_of(schema: type[ChatCompletionRequest | CompletionRequest], body: dict) -> str | None:
     with pytest.raises(ValidationError) as caught:
-        schema.model_validate(body)
+        validate_request(schema, body)
     return invalid_request_from_validation(caught.value).param
+
+
+@pytest.mark.parametrize("schema", [ChatCompletionRequest, CompletionRequest])
+def test_the_quick_check_knows_every_field_the_model_declares(
+    schema: type[ChatCompletionRequest | CompletionRequest],
+) -> None:
+    """A field added to a model and not to the quick check would pass it unchecked, as an
+    unknown field does (tests/properties/test_request_validation_properties.py)."""
+    assert set(schema.model_fields) == QUICK_FIELDS[schema]
+
+
+@pytest.mark.parametrize(
+    ("schema", "body"),
+    [
+        (ChatCompletionRequest, {"model": "m", "messages": MESSAGES}),
+        (
+            ChatCompletionRequest,
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    {"role": "assistant", "content": None, "tool_calls": []},
+                ],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_completion_tokens": 64,
+                "temperature": 0.7,
+                "top_p": 1,
+                "n": 1,
+                "stop": ["\n"],
+                "user": "u1",
+                "seed": 7,
+            },
+        ),
+        (CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 16, "logprobs": 2}),
+    ],
+)
+def test_an_sdks_usual_request_is_checked_without_the_model(
+    schema: type[ChatCompletionRequest | CompletionRequest], body: dict
+) -> None:
+    assert _plainly_valid(schema, body)
+    validate_request(schema, body)
+
+
+def test_validate_request_still_limits_the_depth_of_unknown_fields() -> None:
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    body = {"model": "m", "messages": MESSAGES, "extra": deep}
+    with pytest.raises(InvalidRequestError) as caught:
+        validate_request(ChatCompletionRequest, body)
+    assert caught.value.code == "json_too_deep"
 
 
 @pytest.mark.parametrize(
