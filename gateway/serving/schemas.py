@@ -157,11 +157,11 @@ def validate_request(schema: type[_SamplingFields], body: dict[str, Any]) -> Non
     caches between requests, against 0.016 here. Anything else, and every refusal, is
     pydantic's to decide and word."""
     check_json_depth(body)
-    if not _plainly_valid(schema, body):
+    if not plainly_valid(schema, body):
         schema.model_validate(body)
 
 
-# The fields ``_plainly_valid`` checks, per model. A field added to a model must be added
+# The fields ``plainly_valid`` checks, per model. A field added to a model must be added
 # here and checked there too (tests/gateway/test_units.py holds these equal to the models').
 _SAMPLING_QUICK = frozenset(
     ("model", "stream", "stream_options", "max_tokens", "n", "temperature", "top_p", "stop",
@@ -174,7 +174,7 @@ QUICK_FIELDS: dict[type[_SamplingFields], frozenset[str]] = {
 _ROLES = frozenset(get_args(ChatMessage.model_fields["role"].annotation))
 
 
-def _plainly_valid(schema: type[_SamplingFields], body: dict[str, Any]) -> bool:
+def plainly_valid(schema: type[_SamplingFields], body: dict[str, Any]) -> bool:
     """True only for a body the model accepts; False means "ask the model", not "invalid"
     (tests/properties/test_request_validation_properties.py checks it against pydantic over
     generated bodies). Integers must be ``int`` and numbers ``int`` or ``float`` here, as

@@ -13,7 +13,7 @@ from gateway.serving.schemas import (
     QUICK_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
-    _plainly_valid,
+    plainly_valid,
     validate_request,
 )
 from gateway.serving.upstream import engine_status_error
@@ -67,7 +67,7 @@ def test_the_quick_check_knows_every_field_the_model_declares(
 def test_an_sdks_usual_request_is_checked_without_the_model(
     schema: type[ChatCompletionRequest | CompletionRequest], body: dict
 ) -> None:
-    assert _plainly_valid(schema, body)
+    assert plainly_valid(schema, body)
     validate_request(schema, body)
 
 

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from gateway.serving.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    _plainly_valid,
+    plainly_valid,
 )
 from tests.properties.profiles import examples
 
@@ -139,12 +139,12 @@ def _model_accepts(schema: type[ChatCompletionRequest | CompletionRequest], body
 @settings(max_examples=examples(1500))
 @given(body=_chat)
 def test_a_chat_body_the_quick_check_passes_is_one_the_model_accepts(body: dict) -> None:
-    if _plainly_valid(ChatCompletionRequest, body):
+    if plainly_valid(ChatCompletionRequest, body):
         assert _model_accepts(ChatCompletionRequest, body), body
 
 
 @settings(max_examples=examples(1000))
 @given(body=_completion)
 def test_a_completion_body_the_quick_check_passes_is_one_the_model_accepts(body: dict) -> None:
-    if _plainly_valid(CompletionRequest, body):
+    if plainly_valid(CompletionRequest, body):
         assert _model_accepts(CompletionRequest, body), body
