@@ -9,7 +9,13 @@ request's body itself, before the app runs:
 - a body that has not fully arrived ``body_timeout_s`` after the request's head (a client
   sending it byte by byte) is 408 ``request_timeout``.
 
-Both close the connection. Because the body is complete before the app is called, no route,
+Both close the connection. A body that had all arrived by the time the app was called (the
+usual small JSON body, read with its head) is taken without arming the timeout's timer: the
+gateway's own server says so in the request's scope (``BODY_COMPLETE_EXTENSION``), which saved
+about 0.02 ms of a request's TTFT at one stream. Under another ASGI server the timer is always
+armed.
+
+Because the body is complete before the app is called, no route,
 and so no admission queue or quota, ever waits on a slow client: a request holds no admission
 capacity while its body trickles in.
 
@@ -36,6 +42,11 @@ MAX_JSON_DEPTH = 64
 deep needs a few dozen; the gateway's JSON encoder stops at 254."""
 
 _CONTAINERS = frozenset({dict, list})
+
+BODY_COMPLETE_EXTENSION = "tandem.body_complete"
+"""The scope's extension, from the gateway's own HTTP server (``gateway/cli/http_protocol.py``):
+a callable that tells whether the request's whole body has been read off the connection, so
+that ``receive()`` will not wait for it. Taken out of the scope once read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,27 +100,36 @@ class RequestLimitsMiddleware:
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             raise _too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
+        body_complete = scope.get("extensions", {}).pop(BODY_COMPLETE_EXTENSION, None)
+        if body_complete is not None and body_complete():
+            return await _take_body(receive, limit, [])  # nothing to wait for: no timer
+        chunks: list[bytes] = []  # what came, for the timeout's error
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise _too_large(limit)
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
+                return await _take_body(receive, limit, chunks)
         except TimeoutError:
             raise RequestTimeoutError(
                 f"The request body did not arrive within {self.limits.body_timeout_s:g} s "
-                f"(TANDEM_BODY_TIMEOUT_S); {size} bytes came. Send the whole body at once."
+                f"(TANDEM_BODY_TIMEOUT_S); {sum(map(len, chunks))} bytes came. Send the "
+                "whole body at once."
             ) from None
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _take_body(receive: Receive, limit: int, chunks: list[bytes]) -> bytes | None:
+    """The body's messages up to the last (``chunks`` gathers them); None when the client
+    left first; 413 past ``limit`` bytes."""
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def check_json_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> None:

@@ -19,7 +19,9 @@ It also tells a request at once that its client hung up: each request's scope ca
 ``HangUpSignal`` (``gateway/serving/hangup.py``), fired when the connection is lost before the
 response completed. Without it, every request would need a task of its own waiting on
 ``receive()`` for the disconnect, created and cancelled twice a request and held for a
-stream's whole life.
+stream's whole life. And each scope says whether the request's body had all arrived when
+the app was called (``gateway.limits.BODY_COMPLETE_EXTENSION``), so the limits middleware
+arms its body timeout only for a body still on its way.
 
 And it holds less per open connection: uvicorn gives each one three ``collections.deque``s
 (its pipeline of queued requests, and the waiters of two ``asyncio.Event``s: the flow
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -51,7 +54,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from core.errors import HeadersTooLargeError, InvalidRequestError, RequestTimeoutError, TandemError
-from gateway.limits import RequestLimits
+from gateway.limits import BODY_COMPLETE_EXTENSION, RequestLimits
 from gateway.serving.hangup import HANG_UP_EXTENSION, HangUpSignal
 
 log = logging.getLogger("tandem.gateway")
@@ -201,6 +204,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             signal = HangUpSignal()
             extensions: dict[str, Any] = dict(self.scope.get("extensions", {}))
             extensions[HANG_UP_EXTENSION] = signal
+            extensions[BODY_COMPLETE_EXTENSION] = _body_complete(self.cycle)
             self.scope["extensions"] = extensions
             self._conn.hang_ups.append(signal)
 
@@ -263,6 +267,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         ]
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+def _body_complete(cycle: RequestResponseCycle) -> Callable[[], bool]:
+    """Whether ``cycle``'s request body has all been parsed (uvicorn sets ``more_body`` false
+    at the message's end), so its ``receive()`` returns without waiting."""
+    return lambda: not cycle.more_body
 
 
 def _lean_writable_event(flow: FlowControl) -> None:
