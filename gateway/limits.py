@@ -15,9 +15,9 @@ gateway's own server says so in the request's scope (``BODY_COMPLETE_EXTENSION``
 about 0.02 ms of a request's TTFT at one stream. Under another ASGI server the timer is always
 armed.
 
-Because the body is complete before the app is called, no route,
-and so no admission queue or quota, ever waits on a slow client: a request holds no admission
-capacity while its body trickles in.
+Because the body is complete before the app is called, no route, and so no admission queue
+or quota, ever waits on a slow client: a request holds no admission capacity while its body
+trickles in.
 
 ``check_json_depth`` bounds how deeply a parsed JSON body nests (400 ``json_too_deep``): the
 gateway serialises bodies again (the engine legs, idempotency fingerprints) with an encoder
