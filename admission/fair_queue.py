@@ -249,18 +249,12 @@ class FairQueue(Generic[P]):
         band = self._bands[entry.band]
         tenant_id = entry.tenant_id
         queue = band.queues.get(tenant_id)
-        state = self._tenants.get(tenant_id)
         if queue is None:
-            floor = self.floor(entry.band)  # before this tenant counts as backlogged here
-            if state is None:
-                state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
-                self._record(tenant_id, CounterDelta(at_least=floor))
-            elif state.counter < floor:
-                self._set_counter(tenant_id, state, floor)
-                self._record(tenant_id, CounterDelta(at_least=floor))
+            state = self._lifted(entry)  # before this tenant counts as backlogged here
             queue = band.queues[tenant_id] = deque()
             self._index(band, tenant_id, state.counter)
-        assert state is not None  # a queued tenant always has a counter
+        else:
+            state = self._tenants[tenant_id]  # a queued tenant always has a counter
         state.band = entry.band
         state.queued += 1
         queue.append(entry)
@@ -293,16 +287,11 @@ class FairQueue(Generic[P]):
         if entry is None:
             raise IndexError("pop from an empty FairQueue")
         self._take(entry)
-        served = self._bands[entry.band]
-        served.num_skips = 0
         if entry is head:
             for b in self._bands.values():
                 if b.name.rank > entry.band.rank and b.num_entries:
                     b.num_skips += 1
-        served.serving[entry.tenant_id] = served.serving.get(entry.tenant_id, 0) + 1
-        state = self._tenants[entry.tenant_id]
-        state.in_service += 1
-        self._charge(entry.tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
+        self._start_service(entry, self._tenants[entry.tenant_id])
         self._left_queue(entry)
         return entry
 
@@ -314,25 +303,11 @@ class FairQueue(Generic[P]):
         ValueError if anything is queued: then the queue's order decides, through ``push``."""
         if len(self):
             raise ValueError("admit_at_once() with entries queued: push() and pop() instead")
-        band = self._bands[entry.band]
-        tenant_id = entry.tenant_id
-        floor = self.floor(entry.band)
-        state = self._tenants.get(tenant_id)
-        if state is None:
-            state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
-            self._record(tenant_id, CounterDelta(at_least=floor))
-        elif state.counter < floor:
-            state.counter = floor  # queued nowhere: no heap holds it
-            self._record(tenant_id, CounterDelta(at_least=floor))
+        state = self._lifted(entry)
         state.band = entry.band
-        position = self.position(tenant_id, entry.band)
-        band.num_skips = 0
-        band.serving[tenant_id] = band.serving.get(tenant_id, 0) + 1
-        state.in_service += 1
-        self._charge(tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
-        # As ``pop`` leaves the band's backlog empty: the floor is the counter that left last.
-        band.last_floor = max(band.last_floor, state.counter)
-        self._prune(band)
+        position = self.position(entry.tenant_id, entry.band)
+        self._start_service(entry, state)
+        self._left_queue(entry)
         return position
 
     def remove(self, entry: QueueEntry[P]) -> bool:
@@ -465,6 +440,29 @@ class FairQueue(Generic[P]):
                 # An item is live only while its tenant is backlogged here: none is now.
                 band.by_min.clear()
                 band.by_max.clear()
+
+    def _lifted(self, entry: QueueEntry[P]) -> _Tenant:
+        """The tenant of ``entry``, its counter lifted to its band's floor (made at the floor
+        if it had none): VTC's rule for a tenant whose queue in the band was empty."""
+        tenant_id = entry.tenant_id
+        floor = self.floor(entry.band)
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            state = self._tenants[tenant_id] = _Tenant(counter=floor, band=entry.band)
+            self._record(tenant_id, CounterDelta(at_least=floor))
+        elif state.counter < floor:
+            self._set_counter(tenant_id, state, floor)
+            self._record(tenant_id, CounterDelta(at_least=floor))
+        return state
+
+    def _start_service(self, entry: QueueEntry[P], state: _Tenant) -> None:
+        """``entry`` is admitted: its band was served, its request runs, its prompt is
+        charged."""
+        band = self._bands[entry.band]
+        band.num_skips = 0
+        band.serving[entry.tenant_id] = band.serving.get(entry.tenant_id, 0) + 1
+        state.in_service += 1
+        self._charge(entry.tenant_id, state, self._config.w_in * entry.prompt_tokens / entry.weight)
 
     def _head(self, band: _Band[P]) -> QueueEntry[P] | None:
         """The band's next entry: its smallest-counter tenant's oldest."""
